@@ -1,0 +1,39 @@
+"""Command-line flags for every EngineConfig field, derived from the dataclass so they never drift."""
+
+import argparse
+import dataclasses
+from typing import Any
+
+from kvyard.config import EngineConfig
+
+_HELP = {
+    "model": "model name (smollm2-135m, qwen2.5-coder-0.5b, ...), HF directory or .gguf file",
+    "dtype": "bfloat16 or float32 (float16 on CUDA)",
+    "device": "cpu or cuda",
+    "kv_cache_memory": "KV cache budget: bytes, or with a unit such as 512MiB, 2GiB",
+    "block_size": "tokens per KV block",
+    "max_num_batched_tokens": "token budget of one forward pass (decodes + prefill chunks)",
+    "max_num_seqs": "most requests running at once",
+    "enable_chunked_prefill": "split long prompts across steps",
+    "max_model_len": "context limit (default: the model's)",
+    "num_threads": "CPU threads for torch (default: all cores)",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if isinstance(default, bool):
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP.get(f.name))
+        else:
+            kind = int if f.name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                                     "num_threads") else str
+            g.add_argument(flag, type=kind, default=default, help=_HELP.get(f.name))
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    values.update(overrides)
+    return EngineConfig(**values)

@@ -1,0 +1,73 @@
+"""`kvyard` command line: generate, fetch, bench."""
+
+import argparse
+import sys
+
+from kvyard.cli.engine_args import add_engine_args, engine_config_from_args
+from kvyard.errors import KvyardError
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvyard.llm import LLM
+    from kvyard.sampling_params import SamplingParams
+
+    llm = LLM(config=engine_config_from_args(args))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
+    )
+    use_chat = not args.raw and llm.tokenizer.chat_template is not None
+    prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if use_chat else args.prompt
+    for out in llm.stream(prompt, params):
+        sys.stdout.write(out.outputs[0].delta_text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    done = out.outputs[0]
+    print(f"[{len(done.token_ids)} tokens, finish_reason={done.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from kvyard.loader.registry import resolve_model
+
+    print(resolve_model(args.name))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvyard", description="kvyard LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed to stdout")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.7)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--repetition-penalty", type=float, default=1.1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    fetch = sub.add_parser("fetch", help="download and verify a known model, print its path")
+    fetch.add_argument("name", nargs="?", default="smollm2-135m")
+    fetch.set_defaults(func=cmd_fetch)
+
+    from kvyard.bench.offline import add_offline_bench_parser
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    add_offline_bench_parser(bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KvyardError as e:
+        print(f"kvyard: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Engine settings, with one parser for human-written sizes such as `2GiB`."""
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from kvyard.errors import InvalidRequestError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_bytes(value: str | int | float) -> int:
+    if isinstance(value, int | float):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InvalidRequestError(f"cannot read a size from {value!r} (try 1073741824, 512MiB or 2GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise InvalidRequestError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)}", param="dtype")
+    return DTYPES[name]
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"
+    dtype: str | torch.dtype = "bfloat16"
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    kv_cache_memory: int | str = "1GiB"
+    block_size: int = 16
+    # Tokens per forward pass, shared by decodes and prefill chunks (vLLM v1's token budget).
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None  # default: the model's context window
+    num_threads: int | None = None  # CPU threads for torch; default: all cores
+
+    def __post_init__(self) -> None:
+        self.dtype = parse_dtype(self.dtype)
+        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1", param=name)

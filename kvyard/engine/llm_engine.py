@@ -1,0 +1,212 @@
+"""The engine: admits requests, runs scheduled steps on the model, and reports what each step produced."""
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvyard.config import EngineConfig
+from kvyard.engine.block_manager import BlockManager
+from kvyard.engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
+from kvyard.engine.model_runner import ModelRunner
+from kvyard.engine.request import Request
+from kvyard.engine.sampler import sample
+from kvyard.engine.scheduler import ScheduledBatch, Scheduler
+from kvyard.errors import InvalidRequestError, PromptTooLongError
+from kvyard.loader.checkpoint import load_checkpoint
+from kvyard.loader.registry import resolve_model
+from kvyard.models.decoder import DecoderModel
+from kvyard.outputs import CompletionOutput, RequestOutput
+from kvyard.sampling_params import SamplingParams
+from kvyard.tokenizer.detokenizer import Detokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    req: Request
+    detok: Detokenizer
+    tokens_sent: int = 0
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        path = resolve_model(cfg.model)
+        ckpt = load_checkpoint(path)
+        self.model_path = path
+        self.model_config = ckpt.config
+        self.tokenizer = ckpt.tokenizer
+        self._fast_tokenizer = ckpt.tokenizer.backend_tokenizer
+        device = torch.device(cfg.device)
+        num_blocks = num_blocks_for_budget(ckpt.config, cfg.block_size, cfg.dtype, cfg.kv_cache_memory)
+        context = min(ckpt.config.max_position_embeddings, cfg.max_model_len or 1 << 62)
+        # A request must fit the whole pool, or preempting everyone else could still not make room.
+        self.max_model_len = min(context, num_blocks * cfg.block_size)
+        model = DecoderModel(ckpt.config, cfg.dtype, device, max_positions=self.max_model_len)
+        model.load(ckpt.tensors(), str(path))
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(cfg, self.blocks)
+        self.runner = ModelRunner(model, allocate_kv_caches(ckpt.config, num_blocks, cfg.block_size, cfg.dtype, device),
+                                  cfg.block_size)
+        eos = set(ckpt.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending: list[RequestOutput] = []  # outputs of aborted requests, reported next step
+        self._ids = itertools.count()
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
+
+    # ---- admission -----------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt, add_special_tokens=True).input_ids
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(ids)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._tracked:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
+        detok = Detokenizer(self._fast_tokenizer, ids, params.stop, params.skip_special_tokens)
+        self._tracked[request_id] = _Tracked(req, detok)
+        self.scheduler.add(req)
+        return request_id
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens "
+                "including at least one generated token",
+                param="prompt",
+            )
+
+    def abort_request(self, request_id: str) -> bool:
+        tracked = self._tracked.get(request_id)
+        if tracked is None or tracked.req.finished:
+            return False
+        self.scheduler.finish(tracked.req, "abort")
+        self._pending.append(self._output(tracked))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    # ---- stepping ------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return outputs
+        step = self.runner.prepare(batch)
+        try:
+            logits = self.runner.execute(step)
+            result = sample(logits, step.sampled)
+        except Exception:
+            # A failure inside the model or sampler ends this step's requests, never the engine.
+            log.exception("step failed; finishing its %d requests with an error", len(batch.requests))
+            for req in batch.requests:
+                self.scheduler.finish(req, "error")
+                outputs.append(self._output(self._tracked[req.request_id]))
+            return outputs
+        self.stats["steps"] += 1
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            req.num_computed_tokens += n
+        now = time.monotonic()
+        for req, token, logprob in zip(step.sampled, result.token_ids, result.logprobs, strict=True):
+            tracked = self._tracked[req.request_id]
+            if req.first_token_time is None:
+                req.first_token_time = now
+                self.stats["prompt_tokens"] += req.num_prompt_tokens
+            req.token_ids.append(token)
+            self.stats["generation_tokens"] += 1
+            if logprob is not None:
+                req.logprobs.append(logprob)
+            tracked.detok.add(token)
+            reason = self._stop_reason(req, token, tracked.detok)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+            outputs.append(self._output(tracked))
+        return outputs
+
+    def _stop_reason(self, req: Request, token: int, detok: Detokenizer) -> str | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return "stop"
+            if detok.stop_hit is not None:
+                req.stop_reason = detok.stop_hit
+                return "stop"
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, tracked: _Tracked) -> RequestOutput:
+        req = tracked.req
+        out_ids = req.output_token_ids
+        delta_ids = out_ids[tracked.tokens_sent :]
+        tracked.tokens_sent = len(out_ids)
+        finished = req.finished
+        delta_text = tracked.detok.take_delta(finished)
+        completion = CompletionOutput(
+            index=0,
+            text=tracked.detok.text if finished else tracked.detok.text[: tracked.detok.sent],
+            token_ids=out_ids,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=req.logprobs,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+        )
+        metrics = {"arrival_time": req.arrival_time}
+        if req.first_token_time is not None:
+            metrics["first_token_time"] = req.first_token_time
+        if finished:
+            del self._tracked[req.request_id]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, metrics)
+
+    # ---- scoring -------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def compute_logits(self, token_ids: list[int], all_positions: bool = False) -> torch.Tensor:
+        """fp32 logits of one prompt in one forward pass, outside the scheduler.
+
+        For parity checks and fidelity measurement (KL, perplexity). Returns [vocab] for the last
+        position, or [positions, vocab]. The blocks it borrows are returned before it returns.
+        """
+        self._check_prompt(token_ids)
+        req = Request("score", token_ids, SamplingParams(max_tokens=1, temperature=0.0))
+        if not self.blocks.can_fit(req, len(token_ids)):
+            raise PromptTooLongError("not enough free KV blocks to score this prompt now", param="prompt")
+        self.blocks.grow(req, len(token_ids))
+        try:
+            batch = ScheduledBatch()
+            batch.add(req, len(token_ids))
+            step = self.runner.prepare(batch)
+            if all_positions:
+                step.logits_indices = torch.arange(len(token_ids), device=step.logits_indices.device)
+            logits = self.runner.execute(step)
+        finally:
+            self.blocks.free(req)
+        return logits if all_positions else logits[0]

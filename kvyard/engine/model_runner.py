@@ -1,0 +1,94 @@
+"""Turns a scheduled batch into the flat tensors one forward pass needs, and runs it."""
+
+from dataclasses import dataclass
+
+import torch
+
+from kvyard.engine.request import Request
+from kvyard.engine.scheduler import ScheduledBatch
+from kvyard.models.attention import AttentionMetadata, PrefillSpan, causal_context_mask
+from kvyard.models.decoder import DecoderModel
+
+
+@dataclass
+class StepInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampled: list[Request]  # the requests whose logits rows come back, in row order
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = model.device
+
+    def _slots(self, req: Request, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, req.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare(self, batch: ScheduledBatch) -> StepInput:
+        pairs = list(zip(batch.requests, batch.num_new_tokens, strict=True))
+        # Decodes first so that they form one contiguous group for batched attention.
+        pairs.sort(key=lambda rn: rn[1] != 1)
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[Request] = []
+        decodes = [r for r, n in pairs if n == 1]
+        prefills: list[PrefillSpan] = []
+        for req, n in pairs:
+            start = req.num_computed_tokens
+            row = len(ids)
+            ids.extend(req.token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            slots.extend(self._slots(req, start, start + n))
+            if n > 1:
+                prefills.append(self._prefill_span(req, row, n))
+            if start + n == req.num_tokens:
+                logits_rows.append(row + n - 1)
+                sampled.append(req)
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), prefills=prefills)
+        if decodes:
+            self._decode_metadata(decodes, meta)
+        return StepInput(
+            input_ids=torch.tensor(ids, device=dev),
+            positions=torch.tensor(pos, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_rows, device=dev, dtype=torch.long),
+            sampled=sampled,
+        )
+
+    def _prefill_span(self, req: Request, row: int, n: int) -> PrefillSpan:
+        start = req.num_computed_tokens
+        if start == 0:
+            return PrefillSpan(row, row + n, None, None)
+        ctx = start + n
+        return PrefillSpan(
+            row,
+            row + n,
+            torch.tensor(self._slots(req, 0, ctx), device=self.device),
+            causal_context_mask(n, ctx, self.device),
+        )
+
+    def _decode_metadata(self, decodes: list[Request], meta: AttentionMetadata) -> None:
+        bs = self.block_size
+        lens = torch.tensor([r.num_computed_tokens + 1 for r in decodes])
+        width = int(lens.max())
+        nblocks = -(-width // bs)
+        table = torch.zeros(len(decodes), nblocks, dtype=torch.long)
+        for i, r in enumerate(decodes):
+            t = r.block_table[:nblocks]
+            table[i, : len(t)] = torch.tensor(t)
+        ar = torch.arange(width)
+        meta.num_decodes = len(decodes)
+        meta.decode_slots = (table[:, ar // bs] * bs + ar % bs).to(self.device)
+        meta.decode_mask = (ar.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, width).to(self.device)
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        return self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches, step.logits_indices)

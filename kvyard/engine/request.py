@@ -1,0 +1,67 @@
+"""A request's state inside the engine: its tokens, how many have KV, and where that KV lives."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvyard.outputs import TokenLogprob
+from kvyard.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # prompt + generated tokens; after a preemption the engine recomputes KV for all of them.
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if not self.params.greedy:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(
+                self.params.seed if self.params.seed is not None else torch.seed()
+            )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

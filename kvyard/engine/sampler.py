@@ -1,0 +1,102 @@
+"""Batched sampling where every row carries its own parameters.
+
+Order of operations: raw logprobs (reported as the model's own distribution), then penalties, the
+min_tokens mask, and finally greedy argmax or temperature/top-k/top-p/min-p sampling. Random rows draw
+from their request's own generator, so a seed reproduces the same tokens whatever the batch.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from kvyard.engine.request import Request
+from kvyard.outputs import TokenLogprob
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
+    rows = [
+        i
+        for i, r in enumerate(reqs)
+        if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
+    ]
+    for i in rows:
+        p = reqs[i].params
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            # HF semantics: every token seen in prompt or output is made less likely.
+            seen = torch.tensor(sorted(set(reqs[i].token_ids)), dtype=torch.long)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        out = reqs[i].output_token_ids
+        if out and (p.presence_penalty or p.frequency_penalty):
+            # OpenAI semantics: only generated tokens count.
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=row.shape[0]).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def apply_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> None:
+    for i, r in enumerate(reqs):
+        if r.num_output_tokens < r.params.min_tokens:
+            banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(r.eos_token_ids))
+            if banned:
+                logits[i, banned] = float("-inf")
+
+
+def filter_logits(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p on the rows that sample; returns probabilities."""
+    temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype).unsqueeze(1)
+    logits = logits / temps
+    top_k = [r.params.top_k for r in reqs]
+    top_p = [r.params.top_p for r in reqs]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        k = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(1)
+        ranks = torch.arange(vocab).unsqueeze(0)
+        drop = ranks >= k
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens ranked above it already reach top_p.
+        before = probs.cumsum(-1) - probs
+        drop |= before >= torch.tensor(top_p, dtype=logits.dtype).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    min_p = torch.tensor([r.params.min_p for r in reqs], dtype=probs.dtype).unsqueeze(1)
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0.0)
+    return probs
+
+
+@torch.inference_mode()
+def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
+    logprob_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    raw_logprobs = logits[logprob_rows].log_softmax(-1) if logprob_rows else None
+    apply_penalties(logits, reqs)
+    apply_min_tokens(logits, reqs)
+    tokens = logits.argmax(-1)
+    random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if random_rows:
+        sub = [reqs[i] for i in random_rows]
+        probs = filter_logits(logits[random_rows], sub)
+        for j, (i, r) in enumerate(zip(random_rows, sub, strict=True)):
+            # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, using this request's generator.
+            noise = torch.empty_like(probs[j]).exponential_(generator=r.generator)
+            tokens[i] = (probs[j] / noise).argmax()
+    token_list = tokens.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * len(reqs)
+    for j, i in enumerate(logprob_rows):
+        row = raw_logprobs[j]
+        n = reqs[i].params.logprobs
+        top_vals, top_ids = row.topk(n) if n else (row[:0], row[:0].long())
+        logprobs[i] = TokenLogprob(
+            token_id=token_list[i],
+            logprob=float(row[token_list[i]]),
+            top=dict(zip(top_ids.tolist(), top_vals.tolist(), strict=True)),
+        )
+    return SampleResult(token_list, logprobs)

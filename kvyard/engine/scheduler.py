@@ -1,0 +1,102 @@
+"""Continuous batching with a token budget per step, chunked prefill and preemption by recompute.
+
+Every request is just "tokens with KV" and "tokens without"; a step gives each scheduled request some
+of the missing ones. A decode is one token, a prefill chunk many, a resumed request all of its prompt
+and output again. Requests that reach the end of their tokens get a new token sampled.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvyard.config import EngineConfig
+from kvyard.engine.block_manager import BlockManager
+from kvyard.engine.request import Request, Status
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    def add(self, req: Request, n: int) -> None:
+        self.requests.append(req)
+        self.num_new_tokens.append(n)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, blocks: BlockManager):
+        self.cfg = cfg
+        self.blocks = blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.blocks.free(req)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.cfg.max_num_batched_tokens
+        # Running requests first, oldest first; the newest is preempted when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._make_room(req, req.num_computed_tokens + n, batch):
+                continue  # req itself was preempted; the list shrank
+            self.blocks.grow(req, req.num_computed_tokens + n)
+            batch.add(req, n)
+            budget -= n
+            i += 1
+        if batch.preempted:
+            return batch  # memory is tight: do not admit new work this step
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            n = req.num_tokens - req.num_computed_tokens
+            if n > budget:
+                if not self.cfg.enable_chunked_prefill and batch.requests:
+                    break  # whole prompts only: wait for a step with room
+                n = n if not self.cfg.enable_chunked_prefill else budget
+            if not self.blocks.can_fit(req, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            self.blocks.grow(req, req.num_computed_tokens + n)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            batch.add(req, n)
+            budget -= n
+        return batch
+
+    def _make_room(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
+        while not self.blocks.can_fit(req, num_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.free(req)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)

@@ -1,0 +1,32 @@
+"""Typed errors. Each one says what went wrong and where, so a caller can map it to a response."""
+
+
+class KvyardError(Exception):
+    """Base class of every error kvyard raises on purpose."""
+
+
+class CheckpointError(KvyardError):
+    """A checkpoint is missing, broken or incomplete. The message names the file and the reason."""
+
+
+class UnsupportedArchitectureError(CheckpointError):
+    """The checkpoint is readable but its architecture is not one kvyard implements."""
+
+
+class InvalidRequestError(KvyardError, ValueError):
+    """A request is malformed: bad sampling parameters, an empty prompt, and the like.
+
+    `param` names the offending field so that servers can report it.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt does not fit the model's context window or the KV cache."""
+
+
+class EngineDeadError(KvyardError):
+    """The engine loop has stopped; no more requests are accepted."""

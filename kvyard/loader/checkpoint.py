@@ -1,0 +1,41 @@
+"""One view of a checkpoint, whatever its on-disk format: config, tokenizer and named tensors."""
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvyard.errors import CheckpointError
+from kvyard.models.config import ModelConfig
+
+TensorStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    hf_config: dict[str, Any]  # shaped like an HF config.json, whatever the source format
+    config: ModelConfig
+    tokenizer: Any  # a transformers PreTrainedTokenizerFast
+    # Yields (HF parameter name, tensor) lazily so that only one tensor is dequantized at a time.
+    tensors: TensorStream
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Open an HF checkpoint directory or a GGUF file."""
+    from kvyard.loader.gguf_file import load_gguf
+    from kvyard.loader.hf_dir import load_hf_dir
+
+    p = Path(path)
+    if p.is_dir():
+        ggufs = sorted(p.glob("*.gguf"))
+        if not (p / "config.json").exists() and len(ggufs) == 1:
+            return load_gguf(ggufs[0])
+        return load_hf_dir(p)
+    if p.suffix == ".gguf" and p.is_file():
+        return load_gguf(p)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or directory")
+    raise CheckpointError(f"{p}: not a checkpoint (expected an HF directory with config.json, or a .gguf file)")

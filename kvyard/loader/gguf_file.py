@@ -1,0 +1,297 @@
+"""Open a llama.cpp GGUF file as a Checkpoint: metadata -> HF config, tensors dequantized to float32.
+
+GGUF stores tensors under llama.cpp names (`blk.3.attn_q.weight`) with dimensions listed fastest-moving
+first; numpy views from `GGUFReader` are already in torch order, so a weight comes out as (out, in)
+like HF's. llama.cpp's converter permutes the rows of the llama q/k projections (rotary pairs
+interleaved instead of split in halves); `unpermute_qk` undoes that so weights equal HF's exactly.
+"""
+
+import hashlib
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf.quants import dequantize
+
+from kvyard.errors import CheckpointError, UnsupportedArchitectureError
+from kvyard.loader.checkpoint import Checkpoint
+from kvyard.loader.hf_dir import check_tensor_names, expected_tensor_names
+from kvyard.models.config import ModelConfig
+
+# GGUF `general.architecture` -> (HF model_type, HF architecture class).
+GGUF_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+# Architectures whose converter applies llama.cpp's q/k row permutation.
+_PERMUTED_QK = {"llama"}
+
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# HF config key <- `{arch}.<suffix>` metadata key.
+_ARCH_KEYS = {
+    "num_hidden_layers": "block_count",
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "max_position_embeddings": "context_length",
+    "head_dim": "attention.key_length",
+    "vocab_size": "vocab_size",
+}
+_REQUIRED_ARCH_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The HF parameter name for a GGUF tensor name, or None for tensors the model does not use."""
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem in _GLOBAL_TENSORS and kind == "weight":
+        return f"{_GLOBAL_TENSORS[stem]}.weight"
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's `permute`: per head, rows (pair, 2) back to (2 halves, pair)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_metadata(reader_or_path: GGUFReader | str | Path) -> dict[str, Any]:
+    """Scalar and string metadata, plus short arrays. The tokenizer's big arrays (tokens, merges,
+    token types) are left out: they cost seconds to turn into Python objects and transformers reads
+    them itself."""
+    reader = reader_or_path if isinstance(reader_or_path, GGUFReader) else open_reader(Path(reader_or_path))
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > 256:
+            continue
+        value = field.contents()
+        if field.types == [GGUFValueType.FLOAT32]:
+            # The converter stored a float32; its shortest decimal is what the config said (1e-05, not
+            # 9.999999747378752e-06).
+            value = float(str(np.float32(value)))
+        out[key] = value
+    return out
+
+
+def open_reader(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError, KeyError, IndexError) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if kind is None and meta.get(f"{arch}.rope.scale_linear") not in (None, 1.0):
+        kind, factor = "linear", meta[f"{arch}.rope.scale_linear"]  # the pre-2024 spelling
+    if kind in (None, "none"):
+        return None
+    out: dict[str, Any] = {"rope_type": kind, "factor": float(factor if factor is not None else 1.0)}
+    extras = {
+        "original_context_length": ("original_max_position_embeddings", int),
+        "attn_factor": ("attention_factor", float),
+        "yarn_beta_fast": ("beta_fast", float),
+        "yarn_beta_slow": ("beta_slow", float),
+    }
+    for suffix, (hf_key, cast) in extras.items():
+        if (v := meta.get(f"{arch}.rope.scaling.{suffix}")) is not None:
+            out[hf_key] = cast(v)
+    return out
+
+
+def hf_config_from_gguf(reader: GGUFReader, path: Path) -> dict[str, Any]:
+    """An HF-style config.json dict built from GGUF metadata and the tensor table."""
+    meta = gguf_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"{path}: GGUF architecture {arch!r} is not supported; kvyard reads {sorted(GGUF_ARCHITECTURES)}"
+        )
+    missing = [f"{arch}.{k}" for k in _REQUIRED_ARCH_KEYS if f"{arch}.{k}" not in meta]
+    if missing:
+        raise CheckpointError(f"{path}: {arch} GGUF metadata is missing {missing}")
+    if int(meta.get("split.count", 1)) > 1:
+        raise CheckpointError(
+            f"{path}: one part of a split GGUF ({meta['split.count']} parts); merge them first "
+            "(llama-gguf-split --merge) and pass the merged file"
+        )
+    model_type, hf_arch = GGUF_ARCHITECTURES[arch]
+    names = {t.name for t in reader.tensors}
+    cfg: dict[str, Any] = {"model_type": model_type, "architectures": [hf_arch]}
+    for hf_key, suffix in _ARCH_KEYS.items():
+        if (v := meta.get(f"{arch}.{suffix}")) is not None:
+            cfg[hf_key] = v
+    if "vocab_size" not in cfg:
+        cfg["vocab_size"] = _vocab_size(reader, path)
+    cfg["tie_word_embeddings"] = "output.weight" not in names
+    cfg["attention_bias"] = "blk.0.attn_q.bias" in names
+    cfg["rope_scaling"] = _rope_scaling(meta, arch)
+    cfg["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
+    # llama.cpp stops on EOS and on EOT (chat end-of-turn); the engine should stop on both.
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    eos = list(dict.fromkeys(eos))
+    cfg["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
+    if "tokenizer.ggml.padding_token_id" in meta:
+        cfg["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
+    return cfg
+
+
+def _vocab_size(reader: GGUFReader, path: Path) -> int:
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens.data)
+    for t in reader.tensors:
+        if t.name == "token_embd.weight":
+            return int(t.shape[-1])  # GGUF shape lists the embedding width first
+    raise CheckpointError(f"{path}: cannot tell the vocabulary size (no vocab_size, tokens or token_embd)")
+
+
+@cache
+def can_dequantize(qtype: GGMLQuantizationType) -> bool:
+    """Whether gguf-py can dequantize this type: try it on one block of zeros."""
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    try:
+        dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+    except (NotImplementedError, ValueError):
+        return False
+    return True
+
+
+def _type_name(qtype: Any) -> str:
+    return getattr(qtype, "name", str(qtype))
+
+
+def _check_types(tensors: list[ReaderTensor], path: Path, arch: str) -> None:
+    for t in tensors:
+        if t.tensor_type not in GGML_QUANT_SIZES or not can_dequantize(t.tensor_type):
+            raise CheckpointError(
+                f"{path}: {arch} tensor {t.name} has type {_type_name(t.tensor_type)}, which kvyard cannot dequantize"
+            )
+
+
+def read_tensor(t: ReaderTensor, permute_heads: int | None = None) -> torch.Tensor:
+    """One tensor, dequantized to float32 in HF layout (and un-permuted when `permute_heads` is set)."""
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    arr = dequantize(t.data, t.tensor_type).reshape(shape)
+    if permute_heads is not None:
+        arr = unpermute_qk(arr, permute_heads)
+    # F32 tensors come back as read-only views of the memmap; torch wants memory it may write.
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if not arr.flags.writeable:
+        arr = arr.copy()
+    return torch.from_numpy(arr)
+
+
+def _permute_heads(arch: str, hf_name: str, config: ModelConfig) -> int | None:
+    if arch not in _PERMUTED_QK:
+        return None
+    if ".self_attn.q_proj." in hf_name:
+        return config.num_heads
+    if ".self_attn.k_proj." in hf_name:
+        return config.num_kv_heads
+    return None
+
+
+def _stream(
+    plan: list[tuple[str, ReaderTensor, int | None]], path: Path
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for hf_name, t, heads in plan:
+        try:
+            tensor = read_tensor(t, heads)
+        except (ValueError, NotImplementedError, OSError) as e:
+            raise CheckpointError(f"{path}: cannot read tensor {t.name} ({type(e).__name__}: {e})") from e
+        yield hf_name, tensor
+
+
+def load_gguf_tokenizer(path: Path, reader: GGUFReader) -> Any:
+    """transformers' conversion of the GGUF vocabulary, cached as tokenizer.json after the first time.
+
+    The conversion parses the whole vocabulary again (seconds for 150k tokens); the cache is keyed by the
+    file's path, size and mtime, so a changed file is converted anew.
+    """
+    # Imported here: transformers is slow to import and only the tokenizer needs it.
+    from transformers import AutoTokenizer
+
+    from kvyard.loader.registry import cache_dir
+
+    st = path.resolve().stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = cache_dir() / ".tokenizers" / f"{path.stem}-{key}"
+    if (cached / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # transformers raises many types; all mean "this tokenizer is unusable"
+        raise CheckpointError(f"{path}: cannot build a tokenizer from the GGUF metadata ({e})") from e
+    field = reader.fields.get("tokenizer.chat_template")
+    if not getattr(tok, "chat_template", None) and field is not None:
+        tok.chat_template = field.contents()  # older transformers dropped it; keep the file's template
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cached.parent))
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, cached)  # atomic: a concurrent loader sees all of it or nothing
+    except OSError:
+        pass  # a read-only or raced cache only costs the conversion next time
+    return tok
+
+
+def load_gguf(path: str | Path) -> Checkpoint:
+    """Open a GGUF file; tensors are dequantized one at a time when the stream is consumed."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such GGUF file")
+    reader = open_reader(path)
+    hf_config = hf_config_from_gguf(reader, path)
+    arch = reader.fields["general.architecture"].contents()
+    config = ModelConfig.from_hf(hf_config, source=str(path))
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        # Llama 3.1-style rope scaling lives in this tensor, not in metadata; ignoring it would be wrong.
+        raise UnsupportedArchitectureError(
+            f"{path}: {arch} with rope_freqs (llama3 rope scaling) is not supported"
+        )
+    wanted = set(expected_tensor_names(config))
+    plan = []
+    for t in reader.tensors:
+        hf_name = hf_tensor_name(t.name)
+        if hf_name in wanted:
+            plan.append((hf_name, t, _permute_heads(arch, hf_name, config)))
+    check_tensor_names((name for name, _, _ in plan), config, str(path), f"{arch} (GGUF)")
+    _check_types([t for _, t, _ in plan], path, arch)
+    tokenizer = load_gguf_tokenizer(path, reader)
+    return Checkpoint(
+        path=path,
+        hf_config=hf_config,
+        config=config,
+        tokenizer=tokenizer,
+        tensors=lambda: _stream(plan, path),  # each ReaderTensor's data is a view of the memmap
+    )

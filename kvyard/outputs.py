@@ -1,0 +1,33 @@
+"""What the engine hands back: cumulative results plus the increment of the latest step."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # the top-n alternatives, token id -> logprob
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort", "error", ...
+    stop_reason: str | int | None = None  # the stop string or token that ended it
+    logprobs: list[TokenLogprob] | None = None
+    # The part produced since the previous output of this request (for streaming).
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict[str, float] = field(default_factory=dict)

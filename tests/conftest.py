@@ -1,0 +1,51 @@
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from tests.tiny import make_tiny_checkpoint
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(model_type, tie_word_embeddings=False) -> Path of a random HF checkpoint (cached)."""
+    root = tmp_path_factory.mktemp("tiny")
+
+    @functools.cache
+    def make(model_type: str = "llama", tie_word_embeddings: bool = False) -> Path:
+        out = root / f"{model_type}-{'tied' if tie_word_embeddings else 'untied'}"
+        return make_tiny_checkpoint(out, model_type, tie_word_embeddings=tie_word_embeddings)
+
+    return make
+
+
+@functools.cache
+def hf_reference(path: Path) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@functools.cache
+def hf_reference_gguf(path: Path) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
+def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        eos_token_id=None, pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from kvyard.loader.registry import resolve_model
+
+    return resolve_model("smollm2-135m")

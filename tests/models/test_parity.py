@@ -1,0 +1,73 @@
+"""The oracle: greedy tokens and logits equal HF transformers on the same weights (fp32)."""
+
+import pytest
+import torch
+
+from kvyard import LLM, SamplingParams
+from tests.conftest import hf_greedy, hf_reference
+
+PROMPTS = [
+    "The quick brown fox",
+    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n" * 2,
+    "Paged attention keeps the KV cache in fixed-size blocks.",
+    "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich. 🙂",
+    "x",
+]
+NEW_TOKENS = 32
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+ARCHS = [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False), ("qwen2", True), ("qwen3", False)]
+
+# Engine settings that must not change a single greedy token.
+MODES = {
+    "whole-prompts": dict(enable_chunked_prefill=False, max_num_batched_tokens=512),
+    "chunked": dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
+    "preempting": dict(enable_chunked_prefill=True, max_num_batched_tokens=24, block_size=4,
+                       kv_cache_memory=24 * 4 * 2 * 2 * 2 * 16 * 4),  # 24 blocks of 4 tokens
+}
+
+
+def _token_prompts(llm: LLM) -> list[list[int]]:
+    return [llm.tokenizer(p).input_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("arch,tied", ARCHS)
+def test_greedy_tokens_match_transformers(tiny_checkpoint, arch, tied, mode):
+    path = tiny_checkpoint(arch, tied)
+    llm = LLM(str(path), dtype="float32", **MODES[mode])
+    prompts = _token_prompts(llm)
+    outs = llm.generate(prompts, GREEDY)
+    ref = hf_reference(path)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(ref, prompt, NEW_TOKENS)
+    if mode == "preempting":
+        assert llm.engine.scheduler.num_preemptions > 0, "the tiny pool should force preemption"
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("arch,tied", ARCHS)
+def test_last_logits_within_tolerance(tiny_checkpoint, arch, tied):
+    path = tiny_checkpoint(arch, tied)
+    llm = LLM(str(path), dtype="float32")
+    ref = hf_reference(path)
+    for prompt in _token_prompts(llm):
+        ours = llm.engine.compute_logits(prompt)
+        with torch.no_grad():
+            theirs = ref(torch.tensor([prompt])).logits[0, -1].float()
+        assert (ours - theirs).abs().max().item() <= 1e-3
+
+
+def test_alone_equals_in_batch(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("qwen2")), dtype="float32", max_num_batched_tokens=20)
+    prompts = _token_prompts(llm)
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+    assert batched == alone
+
+
+def test_bf16_runs_close_to_fp32(tiny_checkpoint):
+    path = str(tiny_checkpoint("llama"))
+    prompt = _token_prompts(LLM(path, dtype="float32"))[1]
+    full = LLM(path, dtype="float32").engine.compute_logits(prompt)
+    half = LLM(path, dtype="bfloat16").engine.compute_logits(prompt)
+    assert torch.nn.functional.cosine_similarity(full, half, dim=0) > 0.99

@@ -1,0 +1,99 @@
+"""Tiny random HF checkpoints, built on the fly, so tests have a reference model in every architecture."""
+
+from functools import cache
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n",
+    "Paged attention keeps the KV cache in fixed-size blocks. Continuous batching admits requests every step.",
+    "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich. 日本語のテキストも少し。 émoji 🙂🚀",
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+]
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@cache
+def tiny_tokenizer_json() -> str:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    return tok.to_str()
+
+
+def save_tiny_tokenizer(out: Path) -> transformers.PreTrainedTokenizerFast:
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(tiny_tokenizer_json()),
+        eos_token="<|im_end|>",
+        bos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(out)
+    return tok
+
+
+ARCH_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def make_tiny_checkpoint(
+    out: Path,
+    model_type: str = "llama",
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    num_layers: int = 2,
+    max_shard_size: str | None = None,
+    **overrides,
+) -> Path:
+    """Write a random model with the tiny tokenizer to `out`; return `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    tok = save_tiny_tokenizer(out)
+    cfg_cls, model_cls = (getattr(transformers, n) for n in ARCH_CLASSES[model_type])
+    kwargs = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        rms_norm_eps=1e-5,
+    )
+    if model_type == "qwen3":
+        kwargs["head_dim"] = 16
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**kwargs)).eval()
+    # Random init gives near-uniform logits; scale the weights up so greedy choices are well separated.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(4.0 if "embed" in name or "lm_head" in name else 2.0)
+            elif p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **save_kwargs)
+    return out
