@@ -1,14 +1,20 @@
-"""`kvyard bench offline`: kvyard against its peers on the same weights and workload, in one run."""
+"""`kvyard bench offline`: kvyard against its peers on the same weights and workload, in one run.
+
+The machines are noisy, so the systems take turns for `--repeats` rounds and the report gives the
+median of each figure and the ratio of the medians (with every round's ratio next to it).
+"""
 
 import argparse
 import json
 import platform
+import statistics
+import sys
 import time
 
 import torch
 
 from kvyard.bench import peers
-from kvyard.bench.workload import random_prompts
+from kvyard.bench.workload import Workload, random_workload
 from kvyard.cli.engine_args import add_engine_args, engine_config_from_args
 from kvyard.llm import LLM
 from kvyard.sampling_params import SamplingParams
@@ -19,81 +25,109 @@ def add_offline_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="lengths vary uniformly within ±ratio of --input-len/--output-len")
     p.add_argument("--batch1-requests", type=int, default=2, help="requests run one at a time for batch-1 numbers")
+    p.add_argument("--repeats", type=int, default=3, help="rounds; the systems take turns in each")
     p.add_argument("--peers", default="hf", help="comma list of hf, llama.cpp, or none")
     p.add_argument("--json-out", default=None)
     add_engine_args(p)
     p.set_defaults(func=run_offline_bench)
 
 
-def kvyard_batch1(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    itls: list[float] = []
-    tokens = 0
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def kvyard_batch(llm: LLM, work: Workload) -> float:
+    """All requests submitted at once; returns output tokens per second."""
     start = time.perf_counter()
-    for prompt in prompts:
+    outs = llm.generate(work.prompts, [_greedy(n) for n in work.output_lens])
+    elapsed = time.perf_counter() - start
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == work.output_tokens
+    return work.output_tokens / elapsed
+
+
+def kvyard_batch1(llm: LLM, work: Workload) -> dict:
+    itls: list[float] = []
+    start = time.perf_counter()
+    for prompt, n in zip(work.prompts, work.output_lens, strict=True):
         last = None
-        for out in llm.stream(prompt, params):
+        for _ in llm.stream(prompt, _greedy(n)):
             now = time.perf_counter()
             if last is not None:
                 itls.append(now - last)
             last = now
-            tokens += len(out.outputs[0].delta_token_ids)
     elapsed = time.perf_counter() - start
-    itls.sort()
-    return {"output_tokens_per_s": tokens / elapsed, "itl_ms_p50": 1000 * itls[len(itls) // 2]}
+    return {"output_tokens_per_s": work.output_tokens / elapsed, "itl_ms_p50": 1000 * statistics.median(itls)}
 
 
-def kvyard_batch(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    in_tokens = sum(len(p) for p in prompts)
-    return {"seconds": elapsed, "output_tokens_per_s": out_tokens / elapsed,
-            "total_tokens_per_s": (out_tokens + in_tokens) / elapsed}
+def _median_summary(rounds: list[dict]) -> dict:
+    keys = rounds[0].keys()
+    return {k: statistics.median(r[k] for r in rounds) for k in keys}
+
+
+def _ratios(rounds: list[dict], med: dict) -> dict:
+    pairs = {
+        "batch_throughput_vs_hf_padded": ("kvyard.batch.tok_s", "hf.batch.tok_s"),
+        "batch1_throughput_vs_hf": ("kvyard.batch1.tok_s", "hf.batch1.tok_s"),
+        "batch1_itl_vs_llama_cpp": ("kvyard.batch1.itl_ms", "llama.cpp.batch1.itl_ms"),
+        "batch1_throughput_vs_llama_cpp": ("kvyard.batch1.tok_s", "llama.cpp.batch1.tok_s"),
+    }
+    out = {}
+    for name, (a, b) in pairs.items():
+        if a in med and b in med:
+            out[name] = {"median": med[a] / med[b], "per_round": [round(r[a] / r[b], 3) for r in rounds]}
+    return out
 
 
 def run_offline_bench(args: argparse.Namespace) -> int:
     cfg = engine_config_from_args(args)
     llm = LLM(config=cfg)
-    prompts = random_prompts(llm.tokenizer, args.num_requests, args.input_len)
-    single = prompts[: args.batch1_requests]
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    result: dict = {
-        "model": str(llm.engine.model_path.name), "dtype": str(cfg.dtype).removeprefix("torch."),
-        "workload": {"num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len},
-        "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform()},
-        "kvyard": {"batch": kvyard_batch(llm, prompts, args.output_len),
-                   "batch1": kvyard_batch1(llm, single, args.output_len)},
-    }
+    work = random_workload(llm.tokenizer, args.num_requests, args.input_len, args.output_len, args.range_ratio)
+    single = Workload(work.prompts[: args.batch1_requests], [args.output_len] * args.batch1_requests)
+    llm.generate(work.prompts[:2], _greedy(4))  # warm-up
     wanted = {p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"}
-    ratios: dict[str, float] = {}
-    ky = result["kvyard"]
+    hf_model = None
     if "hf" in wanted:
-        model = peers.load_hf_model(llm.engine.model_path, cfg.dtype)
+        hf_model = peers.load_hf_model(llm.engine.model_path, cfg.dtype)
         pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
-        peers.hf_generate(model, prompts[:2], 4, pad)  # warm-up
-        batch_s = peers.hf_generate(model, prompts, args.output_len, pad)
-        single_s = sum(peers.hf_generate(model, [p], args.output_len, pad) for p in single)
-        result["hf"] = {
-            "batch": {"seconds": batch_s, "output_tokens_per_s": args.num_requests * args.output_len / batch_s},
-            "batch1": {"output_tokens_per_s": len(single) * args.output_len / single_s},
-        }
-        del model
-        ratios["batch_throughput_vs_hf_padded"] = (
-            ky["batch"]["output_tokens_per_s"] / result["hf"]["batch"]["output_tokens_per_s"])
-        ratios["batch1_throughput_vs_hf"] = (
-            ky["batch1"]["output_tokens_per_s"] / result["hf"]["batch1"]["output_tokens_per_s"])
+        peers.hf_static_batch(hf_model, Workload(work.prompts[:2], [4, 4]), pad)  # warm-up
+    lcpp = None
+    notes = []
     if "llama.cpp" in wanted:
-        if llm.engine.model_path.suffix != ".gguf" or not peers.llama_cpp_available():
-            result["llama.cpp"] = "skipped: needs llama-cpp-python and a GGUF model"
+        if llm.engine.model_path.suffix == ".gguf" and peers.llama_cpp_available():
+            lcpp = peers.LlamaCppPeer(llm.engine.model_path, torch.get_num_threads())
         else:
-            lc = peers.llama_cpp_batch1(llm.engine.model_path, single, args.output_len, torch.get_num_threads())
-            result["llama.cpp"] = {"batch1": lc}
-            ratios["batch1_itl_vs_llama_cpp"] = ky["batch1"]["itl_ms_p50"] / lc["itl_ms_p50"]
-    result["ratios"] = ratios
+            notes.append("llama.cpp skipped: needs llama-cpp-python and a GGUF model")
+    rounds = []
+    for r in range(args.repeats):
+        row = {"kvyard.batch.tok_s": kvyard_batch(llm, work)}
+        if hf_model is not None:
+            row["hf.batch.tok_s"] = work.output_tokens / peers.hf_static_batch(hf_model, work, pad)
+        b1 = kvyard_batch1(llm, single)
+        row["kvyard.batch1.tok_s"], row["kvyard.batch1.itl_ms"] = b1["output_tokens_per_s"], b1["itl_ms_p50"]
+        if hf_model is not None:
+            row["hf.batch1.tok_s"] = single.output_tokens / peers.hf_one_at_a_time(hf_model, single, pad)
+        if lcpp is not None:
+            lc = lcpp.batch1(single)
+            row["llama.cpp.batch1.tok_s"], row["llama.cpp.batch1.itl_ms"] = lc["output_tokens_per_s"], lc["itl_ms_p50"]
+        print(f"round {r + 1}/{args.repeats}: " + ", ".join(f"{k}={v:.1f}" for k, v in row.items()), file=sys.stderr)
+        rounds.append(row)
+    med = _median_summary(rounds)
+    result = {
+        "model": llm.engine.model_path.name,
+        "dtype": str(cfg.dtype).removeprefix("torch."),
+        "workload": {"num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
+                     "range_ratio": args.range_ratio, "input_tokens": work.input_tokens,
+                     "output_tokens": work.output_tokens, "batch1_requests": args.batch1_requests},
+        "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform()},
+        "engine": {"max_num_batched_tokens": cfg.max_num_batched_tokens, "block_size": cfg.block_size},
+        "median": med,
+        "ratios": _ratios(rounds, med),
+        "rounds": rounds,
+        "notes": notes,
+    }
     text = json.dumps(result, indent=2)
     print(text)
     if args.json_out:

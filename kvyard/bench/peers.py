@@ -5,6 +5,8 @@ from pathlib import Path
 
 import torch
 
+from kvyard.bench.workload import Workload
+
 
 def load_hf_model(model_path: Path, dtype: torch.dtype):
     import transformers
@@ -19,22 +21,33 @@ def load_hf_model(model_path: Path, dtype: torch.dtype):
 
 
 @torch.inference_mode()
-def hf_generate(model, prompts: list[list[int]], output_len: int, pad_id: int) -> float:
-    """One padded static batch of greedy generation with EOS ignored; returns seconds."""
+def hf_static_batch(model, work: Workload, pad_id: int) -> float:
+    """One padded static batch, greedy, EOS ignored; returns seconds.
+
+    A static batch runs until its longest request is done, so it generates max(output_lens) tokens
+    for every row; only the requested ones count as output.
+    """
+    prompts = work.prompts
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):  # left padding, as HF wants for decoder-only batching
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
+    steps = max(work.output_lens)
     start = time.perf_counter()
     out = model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+        input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
         do_sample=False, pad_token_id=pad_id,
     )
     elapsed = time.perf_counter() - start
-    assert out.shape[1] - width == output_len
+    assert out.shape[1] - width == steps
     return elapsed
+
+
+def hf_one_at_a_time(model, work: Workload, pad_id: int) -> float:
+    return sum(hf_static_batch(model, Workload([p], [n]), pad_id) for p, n in zip(work.prompts, work.output_lens,
+                                                                                  strict=True))
 
 
 def llama_cpp_available() -> bool:
@@ -45,27 +58,30 @@ def llama_cpp_available() -> bool:
     return True
 
 
-def llama_cpp_batch1(gguf_path: Path, prompts: list[list[int]], output_len: int, threads: int) -> dict:
-    """Sequential generation through llama-cpp-python; returns throughput and inter-token latency."""
-    from llama_cpp import Llama
+class LlamaCppPeer:
+    """llama-cpp-python on the same GGUF: sequential generation, as its Python API offers."""
 
-    llm = Llama(model_path=str(gguf_path), n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
-    itls: list[float] = []
-    total_tokens = 0
-    start = time.perf_counter()
-    for prompt in prompts:
-        llm.reset()
-        last = None
-        n = 0
-        for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-            now = time.perf_counter()
-            if last is not None:
-                itls.append(now - last)
-            last = now
-            n += 1
-            if n >= output_len:
-                break
-        total_tokens += n
-    elapsed = time.perf_counter() - start
-    itls.sort()
-    return {"output_tokens_per_s": total_tokens / elapsed, "itl_ms_p50": 1000 * itls[len(itls) // 2]}
+    def __init__(self, gguf_path: Path, threads: int):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(gguf_path), n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
+
+    def batch1(self, work: Workload) -> dict:
+        itls: list[float] = []
+        tokens = 0
+        start = time.perf_counter()
+        for prompt, n_out in zip(work.prompts, work.output_lens, strict=True):
+            last = None
+            n = 0
+            for _ in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+                now = time.perf_counter()
+                if last is not None:
+                    itls.append(now - last)
+                last = now
+                n += 1
+                if n >= n_out:
+                    break
+            tokens += n
+        elapsed = time.perf_counter() - start
+        itls.sort()
+        return {"output_tokens_per_s": tokens / elapsed, "itl_ms_p50": 1000 * itls[len(itls) // 2]}

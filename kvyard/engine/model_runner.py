@@ -53,7 +53,8 @@ class ModelRunner:
                 logits_rows.append(row + n - 1)
                 sampled.append(req)
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), prefills=prefills)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), block_size=self.block_size,
+                                 prefills=prefills)
         if decodes:
             self._decode_metadata(decodes, meta)
         return StepInput(
@@ -77,18 +78,17 @@ class ModelRunner:
         )
 
     def _decode_metadata(self, decodes: list[Request], meta: AttentionMetadata) -> None:
-        bs = self.block_size
         lens = torch.tensor([r.num_computed_tokens + 1 for r in decodes])
-        width = int(lens.max())
-        nblocks = -(-width // bs)
+        nblocks = -(-int(lens.max()) // self.block_size)
         table = torch.zeros(len(decodes), nblocks, dtype=torch.long)
         for i, r in enumerate(decodes):
             t = r.block_table[:nblocks]
             table[i, : len(t)] = torch.tensor(t)
-        ar = torch.arange(width)
+        width = nblocks * self.block_size
         meta.num_decodes = len(decodes)
-        meta.decode_slots = (table[:, ar // bs] * bs + ar % bs).to(self.device)
-        meta.decode_mask = (ar.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, width).to(self.device)
+        meta.decode_blocks = table.to(self.device)
+        mask = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)
+        meta.decode_mask = mask.view(len(decodes), 1, 1, width).to(self.device)
 
     def execute(self, step: StepInput) -> torch.Tensor:
         return self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches, step.logits_indices)

@@ -30,13 +30,14 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
         row = logits[i]
         if p.repetition_penalty != 1.0:
             # HF semantics: every token seen in prompt or output is made less likely.
-            seen = torch.tensor(sorted(set(reqs[i].token_ids)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(reqs[i].token_ids)), dtype=torch.long, device=row.device)
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         out = reqs[i].output_token_ids
         if out and (p.presence_penalty or p.frequency_penalty):
             # OpenAI semantics: only generated tokens count.
-            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=row.shape[0]).to(row.dtype)
+            out_ids = torch.tensor(out, dtype=torch.long, device=row.device)
+            counts = torch.bincount(out_ids, minlength=row.shape[0]).to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
@@ -50,24 +51,25 @@ def apply_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> None:
 
 def filter_logits(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on the rows that sample; returns probabilities."""
-    temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype).unsqueeze(1)
+    dev = logits.device
+    temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype, device=dev).unsqueeze(1)
     logits = logits / temps
     top_k = [r.params.top_k for r in reqs]
     top_p = [r.params.top_p for r in reqs]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
-        k = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(1)
-        ranks = torch.arange(vocab).unsqueeze(0)
+        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev).unsqueeze(1)
+        ranks = torch.arange(vocab, device=dev).unsqueeze(0)
         drop = ranks >= k
         probs = sorted_logits.softmax(-1)
         # Drop a token when the tokens ranked above it already reach top_p.
         before = probs.cumsum(-1) - probs
-        drop |= before >= torch.tensor(top_p, dtype=logits.dtype).unsqueeze(1)
+        drop |= before >= torch.tensor(top_p, dtype=logits.dtype, device=dev).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     probs = logits.softmax(-1)
-    min_p = torch.tensor([r.params.min_p for r in reqs], dtype=probs.dtype).unsqueeze(1)
+    min_p = torch.tensor([r.params.min_p for r in reqs], dtype=probs.dtype, device=dev).unsqueeze(1)
     if bool((min_p > 0).any()):
         probs = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0.0)
     return probs
@@ -86,7 +88,8 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
         probs = filter_logits(logits[random_rows], sub)
         for j, (i, r) in enumerate(zip(random_rows, sub, strict=True)):
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, using this request's generator.
-            noise = torch.empty_like(probs[j]).exponential_(generator=r.generator)
+            # Drawn on the CPU, where the request's generator lives, whatever the model's device.
+            noise = torch.empty(probs.shape[1]).exponential_(generator=r.generator).to(probs.device)
             tokens[i] = (probs[j] / noise).argmax()
     token_list = tokens.tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(reqs)

@@ -24,9 +24,10 @@ class PrefillSpan:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] where each new token's K/V is written
+    block_size: int = 16
     num_decodes: int = 0
-    decode_slots: torch.Tensor | None = None  # [decodes, max_context] (padding points at slot 0)
-    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_context] bool, True = attend
+    decode_blocks: torch.Tensor | None = None  # [decodes, max_blocks] block ids (padding points at block 0)
+    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_blocks * block_size] bool, True = attend
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -56,9 +57,12 @@ def paged_attention(
         # "query rows", so SDPA needs no repeated K/V.
         group = heads // kv_heads
         qd = q[:nd].view(nd, kv_heads, group, head_dim)
-        width = meta.decode_slots.shape[1]
-        kd = k_cache.index_select(0, meta.decode_slots.view(-1)).view(nd, width, kv_heads, head_dim)
-        vd = v_cache.index_select(0, meta.decode_slots.view(-1)).view(nd, width, kv_heads, head_dim)
+        # Whole blocks are gathered: fewer, larger copies than slot by slot.
+        blocks = meta.decode_blocks.view(-1)
+        width = meta.decode_blocks.shape[1] * meta.block_size
+        kd = k_cache.view(-1, meta.block_size * kv_heads, head_dim).index_select(0, blocks)
+        vd = v_cache.view(-1, meta.block_size * kv_heads, head_dim).index_select(0, blocks)
+        kd, vd = kd.view(nd, width, kv_heads, head_dim), vd.view(nd, width, kv_heads, head_dim)
         od = F.scaled_dot_product_attention(
             qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask
         )

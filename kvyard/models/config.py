@@ -60,6 +60,11 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", 10000.0)
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = rope_params
+        context = int(cfg.get("max_position_embeddings", 2048))
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        if window:
+            # No sliding-window attention here: keep outputs exact by never exceeding the window.
+            context = min(context, int(window))
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -71,7 +76,7 @@ class ModelConfig:
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=context,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", flags["attention_bias"])),
             qk_norm=flags["qk_norm"],

@@ -1,0 +1,51 @@
+import pytest
+import torch
+import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kvyard.errors import CheckpointError, UnsupportedArchitectureError
+from kvyard.models.config import ModelConfig
+from kvyard.models.rope import inverse_frequencies
+
+BASE = dict(vocab_size=100, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=131072, rope_theta=500000.0)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 8192},
+        {"rope_type": "linear", "factor": 4.0},
+    ],
+)
+def test_scaled_frequencies_match_transformers(scaling):
+    hf_cfg = transformers.LlamaConfig(**BASE, rope_scaling=dict(scaling))
+    ref, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_cfg)
+    ours = inverse_frequencies(ModelConfig.from_hf(hf_cfg.to_dict()))
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-6, atol=0)
+
+
+def test_unsupported_scaling_is_refused():
+    cfg = ModelConfig.from_hf({**BASE, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(UnsupportedArchitectureError, match="yarn"):
+        inverse_frequencies(cfg)
+
+
+def test_architecture_switches():
+    q2 = ModelConfig.from_hf({**BASE, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False})
+    q3 = ModelConfig.from_hf({**BASE, "model_type": "qwen3", "head_dim": 128})
+    assert q2.attention_bias and not q2.qk_norm and q2.max_position_embeddings == 131072
+    assert q3.qk_norm and q3.head_dim == 128
+
+
+def test_mistral_window_caps_the_context():
+    cfg = ModelConfig.from_hf({**BASE, "model_type": "mistral", "sliding_window": 4096})
+    assert cfg.max_position_embeddings == 4096
+
+
+def test_missing_fields_and_unknown_types_name_the_source():
+    with pytest.raises(CheckpointError, match="cfg.json.*hidden_size"):
+        ModelConfig.from_hf({"model_type": "llama", "vocab_size": 3}, source="cfg.json")
+    with pytest.raises(UnsupportedArchitectureError, match="cfg.json.*bert"):
+        ModelConfig.from_hf({"model_type": "bert", "architectures": ["BertModel"]}, source="cfg.json")
