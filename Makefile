@@ -5,8 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvyard-installed
 MODEL ?= smollm2-135m
 PROMPT ?= Explain in two sentences what a KV cache is.
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
-.PHONY: test serve lint model bench clean
+.PHONY: test serve generate lint model bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -27,6 +29,9 @@ test: $(STAMP) model lint
 	$(PY) -m pytest -q
 
 serve: $(STAMP) model
+	$(VENV)/bin/kvyard serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+generate: $(STAMP) model
 	$(VENV)/bin/kvyard generate --model $(MODEL) "$(PROMPT)"
 
 bench: $(STAMP) model

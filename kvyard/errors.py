@@ -30,3 +30,7 @@ class PromptTooLongError(InvalidRequestError):
 
 class EngineDeadError(KvyardError):
     """The engine loop has stopped; no more requests are accepted."""
+
+
+class ConfigError(InvalidRequestError):
+    """A deployment setting is unknown or has the wrong type; `param` names the offending key."""

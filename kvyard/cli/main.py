@@ -1,4 +1,4 @@
-"""`kvyard` command line: generate, fetch, bench."""
+"""`kvyard` command line: generate, serve, fetch, bench."""
 
 import argparse
 import sys
@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    from kvyard.cli.serve import add_serve_parser
+
+    add_serve_parser(sub)
 
     fetch = sub.add_parser("fetch", help="download and verify a known model, print its path")
     fetch.add_argument("name", nargs="?", default="smollm2-135m")

@@ -76,6 +76,10 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids)
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab}",
+                                      param="stop_token_ids")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
@@ -116,8 +120,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.requests:
             return outputs
-        step = self.runner.prepare(batch)
         try:
+            step = self.runner.prepare(batch)
             logits = self.runner.execute(step)
             result = sample(logits, step.sampled)
         except Exception:
@@ -175,7 +179,7 @@ class LLMEngine:
             token_ids=out_ids,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
-            logprobs=req.logprobs,
+            logprobs=None if req.logprobs is None else list(req.logprobs),  # the engine keeps appending
             delta_text=delta_text,
             delta_token_ids=delta_ids,
         )

@@ -106,3 +106,9 @@ def test_logprobs_returned_per_token(llm):
     assert len(lps) == 4 and all(len(lp.top) == 3 for lp in lps)
     # greedy: the sampled token is the most likely one
     assert all(lp.token_id == next(iter(lp.top)) for lp in lps)
+
+
+def test_stop_token_ids_outside_vocabulary_are_refused(llm):
+    with pytest.raises(InvalidRequestError) as e:
+        llm.engine.add_request("hi", SamplingParams(stop_token_ids=[10**6], min_tokens=1))
+    assert e.value.param == "stop_token_ids"

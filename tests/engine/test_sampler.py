@@ -88,3 +88,14 @@ def test_bad_parameters_raise_typed_error_naming_the_field(field, value):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**{field: value})
     assert e.value.param == field
+
+
+def test_fast_argmax_equals_torch_argmax_including_ties():
+    from kvyard.engine.sampler import fast_argmax
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 49_153, generator=g)
+    logits[3, 100] = logits[3, 40_000] = 99.0  # a tie across chunks: the first index wins
+    logits[5, 1023] = logits[5, 1024] = 99.0  # a tie across a chunk boundary
+    logits[7, -1] = 99.0  # the padded last chunk
+    assert torch.equal(fast_argmax(logits), logits.argmax(-1))

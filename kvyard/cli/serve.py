@@ -1,0 +1,67 @@
+"""`kvyard serve`: the OpenAI-compatible server, configured by flags over an optional YAML file.
+
+Precedence, lowest first: dataclass defaults, the `--config` file, `KVYARD_API_KEY` (for the key only,
+so it need not appear in `ps`), flags given on the command line. To tell a given flag from a default,
+every flag of this subcommand defaults to None, and only non-None values override the file.
+"""
+
+import argparse
+import dataclasses
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from kvyard.cli.engine_args import add_engine_args
+from kvyard.config import EngineConfig
+
+if TYPE_CHECKING:
+    from kvyard.server.config import ServerSettings
+
+_SERVER_FLAGS: list[tuple[str, type, str]] = [
+    ("host", str, "address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)"),
+    ("port", int, "port to listen on (default 8000)"),
+    ("api_key", str, "require `Authorization: Bearer KEY` on every route but /health "
+                     "(default: $KVYARD_API_KEY, else no auth)"),
+    ("max_queue", int, "refuse requests with 429 while this many are queued (default 256)"),
+    ("max_body_bytes", str, "largest request body, e.g. 1MiB (default); larger ones get 413"),
+    ("request_timeout", float, "seconds a request may take in all (default 600)"),
+    ("drain_timeout", float, "seconds in-flight requests get to finish after SIGTERM (default 30)"),
+    ("served_model_name", str, "the model name clients use (default: --model)"),
+    ("log_level", str, "uvicorn and kvyard log level (default info)"),
+]
+
+
+def add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (completions, chat, metrics)")
+    p.add_argument("--config", default=None,
+                   help="YAML deployment file with `engine:` and `server:` sections; flags override it")
+    g = p.add_argument_group("server")
+    for name, kind, help_text in _SERVER_FLAGS:
+        g.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
+    add_engine_args(p)
+    p.set_defaults(**{f.name: None for f in dataclasses.fields(EngineConfig)}, func=cmd_serve)
+
+
+def explicit_values(args: argparse.Namespace, names: list[str]) -> dict[str, object]:
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def configs_from_args(args: argparse.Namespace) -> "tuple[EngineConfig, ServerSettings]":
+    from kvyard.server.config import build_configs, load_deploy_config
+
+    deploy = load_deploy_config(args.config) if args.config else None
+    engine_flags = explicit_values(args, [f.name for f in dataclasses.fields(EngineConfig)])
+    server_flags = explicit_values(args, [name for name, _, _ in _SERVER_FLAGS])
+    if "api_key" not in server_flags and os.environ.get("KVYARD_API_KEY"):
+        server_flags["api_key"] = os.environ["KVYARD_API_KEY"]
+    return build_configs(deploy, engine_flags, server_flags)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    engine_config, settings = configs_from_args(args)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+
+    from kvyard.server.lifecycle import serve
+
+    serve(engine_config, settings)
+    return 0

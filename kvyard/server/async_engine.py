@@ -1,0 +1,308 @@
+"""`AsyncEngine`: the synchronous `LLMEngine` driven by a thread of its own, fed from asyncio.
+
+Threading model. The engine is not thread-safe, so exactly one thread, the engine thread, ever touches
+it. Everything else talks to that thread through two one-way channels:
+
+* commands in: a `queue.SimpleQueue` of `_Add` / `_Abort` / `_Stop`. An add carries a
+  `concurrent.futures.Future` that the engine thread resolves with the outcome of `add_request`, so a
+  validation error (`InvalidRequestError`, `PromptTooLongError`) reaches the caller as the same typed
+  exception.
+* outputs out: each request has an asyncio queue (its "sink") on the caller's event loop; the engine
+  thread hands it every `RequestOutput` with `loop.call_soon_threadsafe`.
+
+Torch releases the GIL inside its kernels, so while the engine thread runs a forward pass the event loop
+keeps parsing HTTP, tokenizing and streaming. When the engine has nothing to do, its thread blocks on the
+command queue and costs nothing.
+
+Towards a separate engine process (vLLM's API-server / engine-core split): the front end already
+uses only values that could be pickled (prompt token ids, `SamplingParams`, request ids, `RequestOutput`,
+`EngineStats`) and never reaches into the engine. Replacing the two queues with sockets and the thread
+with a process would leave `add_request`, `generate`, `abort`, `stats` and `shutdown` unchanged. The front
+end also owns its own tokenizer (`self.tokenizer`, a copy), as the API server does in that split.
+"""
+
+import asyncio
+import concurrent.futures
+import copy
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvyard.config import EngineConfig
+from kvyard.engine.llm_engine import LLMEngine
+from kvyard.errors import EngineDeadError, KvyardError
+from kvyard.outputs import RequestOutput
+from kvyard.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class RequestFailedError(KvyardError):
+    """An accepted request ended without a result: its engine step failed or the engine stopped."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(message)
+        self.request_id = request_id
+
+
+# What a sink receives: an output, or the error that ends the request.
+SinkItem = RequestOutput | RequestFailedError
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot published by the engine thread after every step; reading it never touches the engine."""
+
+    num_running: int = 0
+    num_waiting: int = 0  # in the scheduler's queue
+    num_pending: int = 0  # submitted, not yet taken in by the engine thread
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_open_requests: int = 0  # accepted requests whose final output has not been delivered yet
+
+
+@dataclass
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: "asyncio.Queue[SinkItem]"
+
+    def put(self, item: SinkItem) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the caller's loop is closed: nobody is left to read this
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    sink: _Sink
+    done: "concurrent.futures.Future[None]"
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self._engine = engine
+        # Front-end copies of what callers need, so they never read engine state from another thread.
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.model_config = engine.model_config
+        self.max_model_len = engine.max_model_len
+        self.model_name = engine.cfg.model
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stats = EngineStats()
+        self._stopped = threading.Event()
+        self._publish_stats()
+        self._thread = threading.Thread(target=self._run, name="kvyard-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> "AsyncEngine":
+        return cls(LLMEngine(cfg))
+
+    # ---- the front-end API (event loop side) ----------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopped.is_set()
+
+    def stats(self) -> EngineStats:
+        # The pending count moves on both sides of the queue; read it live, not from the last snapshot.
+        return dataclasses.replace(self._stats, num_pending=self._pending)
+
+    async def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        sink: "asyncio.Queue[SinkItem] | None" = None,
+    ) -> "asyncio.Queue[SinkItem]":
+        """Submit a request; return the queue its outputs arrive on once the engine has accepted it.
+
+        Several requests may share one `sink` (their outputs carry their request ids). Raises the
+        engine's typed error when it rejects the request.
+        """
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        request_id = request_id or f"async-{next(self._ids)}"
+        sink = sink if sink is not None else asyncio.Queue()
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._pending_lock:
+            self._pending += 1
+        self._commands.put(_Add(request_id, prompt, params, _Sink(asyncio.get_running_loop(), sink), done))
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            # The add may still be taken in after we stop waiting; an abort queued behind it undoes it.
+            self.abort_nowait(request_id)
+            raise
+        return sink
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until the final one; leaving early aborts the request."""
+        request_id = request_id or f"async-{next(self._ids)}"
+        sink = await self.add_request(prompt, params, request_id)
+        finished = False
+        try:
+            while not finished:
+                item = await sink.get()
+                if isinstance(item, RequestFailedError):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Abort from anywhere, without awaiting (safe in `finally` blocks of cancelled tasks)."""
+        self._commands.put(_Abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_nowait(request_id)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; requests still open end with `RequestFailedError`."""
+        if self._thread.is_alive():
+            self._commands.put(_Stop())
+            self._thread.join(timeout)
+
+    # ---- the engine thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._take_commands(block=not self._engine.has_unfinished_requests()):
+                if self._engine.has_unfinished_requests():
+                    self._step()
+                self._publish_stats()
+        except BaseException:  # pragma: no cover - a bug in this loop; fail loudly but cleanly
+            log.exception("the engine loop crashed")
+        finally:
+            self._stopped.set()
+            for request_id, sink in self._sinks.items():
+                sink.put(RequestFailedError(request_id, "the engine stopped"))
+            self._sinks.clear()
+            self._fail_queued_adds()
+
+    def _take_commands(self, block: bool) -> bool:
+        """Apply every queued command (waiting for one if `block`); False once asked to stop."""
+        added = 0
+        keep_running = True
+        try:
+            cmd = self._commands.get() if block else self._commands.get_nowait()
+            while True:
+                if isinstance(cmd, _Stop):
+                    keep_running = False
+                    break
+                if isinstance(cmd, _Add):
+                    added += 1
+                    self._add(cmd)
+                else:
+                    self._abort(cmd.request_id)
+                cmd = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+        if added:
+            # Publish before un-counting them as pending, so admission control never misses them.
+            self._publish_stats()
+            with self._pending_lock:
+                self._pending -= added
+        return keep_running
+
+    def _add(self, cmd: _Add) -> None:
+        if not cmd.done.set_running_or_notify_cancel():
+            return  # the caller gave up before we got here
+        try:
+            self._engine.add_request(cmd.prompt, cmd.params, cmd.request_id)
+        except Exception as e:  # typed validation errors travel back as they are
+            cmd.done.set_exception(e)
+            return
+        self._sinks[cmd.request_id] = cmd.sink
+        cmd.done.set_result(None)
+
+    def _abort(self, request_id: str) -> None:
+        try:
+            self._engine.abort_request(request_id)
+        except Exception:
+            log.exception("aborting %s failed", request_id)
+            sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                sink.put(RequestFailedError(request_id, "the request could not be aborted cleanly"))
+
+    def _step(self) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception:
+            # LLMEngine contains failures of the model itself; this is anything else (batch preparation,
+            # detokenization). Fail every open request rather than retrying a step that keeps failing.
+            log.exception("engine step failed; failing %d open requests", len(self._sinks))
+            for request_id, sink in list(self._sinks.items()):
+                sink.put(RequestFailedError(request_id, "the engine step failed"))
+                self._abort_quietly(request_id)
+            self._sinks.clear()
+            return
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue  # e.g. the abort output of a request whose sink already got an error
+            if out.finished:
+                del self._sinks[out.request_id]
+            sink.put(out)
+
+    def _abort_quietly(self, request_id: str) -> None:
+        try:
+            self._engine.abort_request(request_id)
+        except Exception:
+            log.exception("aborting %s after a failed step failed too", request_id)
+
+    def _fail_queued_adds(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add) and cmd.done.set_running_or_notify_cancel():
+                cmd.done.set_exception(EngineDeadError("the engine stopped"))
+
+    def _publish_stats(self) -> None:
+        eng = self._engine
+        blocks = eng.blocks
+        stats: dict[str, Any] = eng.stats
+        self._stats = EngineStats(
+            num_running=len(eng.scheduler.running),
+            num_waiting=len(eng.scheduler.waiting),
+            kv_cache_usage=blocks.usage,
+            num_free_blocks=blocks.num_free_blocks,
+            num_total_blocks=blocks.num_blocks,
+            num_preemptions=eng.scheduler.num_preemptions,
+            num_steps=stats["steps"],
+            prompt_tokens=stats["prompt_tokens"],
+            generation_tokens=stats["generation_tokens"],
+            num_open_requests=len(self._sinks),
+        )

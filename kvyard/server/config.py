@@ -1,0 +1,133 @@
+"""Server settings and the YAML deployment file that sets them together with the engine's.
+
+A deployment file has two optional sections, each a mapping of field names:
+
+    engine:            # any EngineConfig field
+      model: smollm2-135m
+      kv_cache_memory: 2GiB
+    server:            # any ServerSettings field
+      port: 8000
+      max_queue: 128
+
+Nested sections, not one flat mapping, so that a name can never be ambiguous and a typo is reported
+with the section it was found in. Precedence: dataclass defaults < the file < command-line flags.
+"""
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvyard.config import EngineConfig, parse_bytes
+from kvyard.errors import ConfigError
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # when set, every route but /health needs `Authorization: Bearer KEY`
+    # Requests refused with 429 once this many are queued (waiting in the engine or about to be); None: no limit.
+    max_queue: int | None = 256
+    max_body_bytes: int | str = "1MiB"
+    request_timeout: float | None = 600.0  # seconds from arrival to the last token; None: no deadline
+    drain_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    served_model_name: str | None = None  # default: the engine's model name
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        self.max_body_bytes = parse_bytes(self.max_body_bytes)
+        checks = [
+            ("port", 0 <= self.port <= 65535, "must be in [0, 65535]"),
+            ("max_queue", self.max_queue is None or self.max_queue >= 0, "must be >= 0"),
+            ("max_body_bytes", self.max_body_bytes >= 1024, "must be at least 1KiB"),
+            ("request_timeout", self.request_timeout is None or self.request_timeout > 0, "must be > 0"),
+            ("drain_timeout", self.drain_timeout >= 0, "must be >= 0"),
+            ("api_key", self.api_key is None or bool(self.api_key), "must not be empty"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ConfigError(f"server setting {name} {why}, got {getattr(self, name)!r}", param=name)
+
+
+@dataclass
+class DeployConfig:
+    """The two sections of a deployment file, checked against their dataclasses but not yet built."""
+
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)
+    server: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_SECTIONS: dict[str, type] = {"engine": EngineConfig, "server": ServerSettings}
+
+
+def load_deploy_config(path: str | Path) -> DeployConfig:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read the deployment file {path}: {e.strerror}", param="config") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}", param="config") from e
+    if data is None:
+        return DeployConfig()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping with 'engine' and/or 'server' sections", param="config")
+    config = DeployConfig()
+    for section, body in data.items():
+        if section not in _SECTIONS:
+            raise ConfigError(
+                f"{path}: unknown key {section!r}; the top level has only 'engine' and 'server'", param=str(section)
+            )
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise ConfigError(f"{path}: section {section!r} must be a mapping", param=section)
+        setattr(config, section, check_fields(_SECTIONS[section], body, f"{path}: {section}"))
+    return config
+
+
+def check_fields(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
+    """Reject unknown names and values of the wrong basic type; the dataclass checks ranges itself."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"{where}: unknown key {key!r}; known keys: {', '.join(sorted(known))}", param=key)
+        if not _matches(value, hints[key]):
+            raise ConfigError(f"{where}: {key} has the wrong type: {value!r}", param=key)
+    return dict(values)
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    if hint is Any:
+        return True
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True  # a type YAML cannot spell (torch.dtype): leave it to the dataclass
+
+
+def build_configs(
+    deploy: DeployConfig | None, engine_flags: dict[str, Any], server_flags: dict[str, Any]
+) -> tuple[EngineConfig, ServerSettings]:
+    """Merge defaults, the file and the flags that were given explicitly (later wins)."""
+    deploy = deploy or DeployConfig()
+    engine = {**deploy.engine, **engine_flags}
+    server = {**deploy.server, **server_flags}
+    check_fields(EngineConfig, engine, "engine")
+    check_fields(ServerSettings, server, "server")
+    return EngineConfig(**engine), ServerSettings(**server)

@@ -1,0 +1,43 @@
+"""Everything a request handler needs, built once per app and kept on `app.state.ctx`."""
+
+import time
+from dataclasses import dataclass, field
+
+from kvyard.server.async_engine import AsyncEngine
+from kvyard.server.config import ServerSettings
+from kvyard.server.errors import APIError
+from kvyard.server.guards import Admission, DrainState
+from kvyard.server.metrics import ServerMetrics
+from kvyard.server.tokenization import FrontendTokenizer
+
+
+@dataclass
+class ServerContext:
+    engine: AsyncEngine
+    settings: ServerSettings
+    metrics: ServerMetrics
+    tokenizer: FrontendTokenizer
+    admission: Admission
+    drain: DrainState
+    model_name: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def build(cls, engine: AsyncEngine, settings: ServerSettings) -> "ServerContext":
+        metrics = ServerMetrics(engine.stats)
+        return cls(
+            engine=engine,
+            settings=settings,
+            metrics=metrics,
+            tokenizer=FrontendTokenizer(engine.tokenizer),
+            admission=Admission(engine, settings.max_queue),
+            drain=DrainState(),
+            model_name=settings.served_model_name or engine.model_name,
+        )
+
+    def check_model(self, name: str | None) -> str:
+        """The name to answer with; the engine's own model name is accepted as an alias."""
+        if name is None or name in (self.model_name, self.engine.model_name):
+            return self.model_name
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                       param="model", code="model_not_found")

@@ -1,0 +1,195 @@
+"""From a validated OpenAI request to engine requests and back: sampling params, fan-out, deadline.
+
+One HTTP request becomes `len(prompts) * n` engine requests (choices). `EngineRun` submits them all at
+once, merges their outputs from one queue, enforces the deadline, records metrics, and on every way out
+(finished, error, timeout, client gone, drain) aborts whatever is still running so its KV blocks are
+freed at once.
+"""
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+from kvyard.errors import InvalidRequestError, KvyardError
+from kvyard.outputs import RequestOutput
+from kvyard.sampling_params import SamplingParams
+from kvyard.server.async_engine import RequestFailedError, SinkItem
+from kvyard.server.context import ServerContext
+from kvyard.server.errors import APIError, from_kvyard_error
+from kvyard.server.protocol import SamplingFields
+from kvyard.server.sse import ClientDisconnected
+
+log = logging.getLogger(__name__)
+
+# One HTTP request may not fan out further than this (prompts x n); beyond it a client should batch.
+MAX_CHOICES = 256
+
+_OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty", "seed", "ignore_eos", "min_tokens", "skip_special_tokens")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    """Validated SamplingParams (InvalidRequestError names the field) from the fields the client set."""
+    kwargs = {name: getattr(body, name) for name in _OPTIONAL_FIELDS if getattr(body, name) is not None}
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stop_token_ids = list(body.stop_token_ids or [])
+    if any(t >= vocab_size for t in stop_token_ids):
+        # The sampler indexes logits with these; out-of-vocabulary ids must never reach it.
+        raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab_size}",
+                                  param="stop_token_ids")
+    return SamplingParams(max_tokens=max_tokens, stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs,
+                          n=1 if body.n is None else body.n, **kwargs)
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_index: int
+    request_id: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished: bool = False
+
+
+class EngineRun:
+    def __init__(self, ctx: ServerContext, request_id: str, arrival: float | None = None):
+        self.ctx = ctx
+        self.request_id = request_id
+        # When the HTTP request arrived (time.monotonic()): latencies and the deadline count from there.
+        self.arrival = time.monotonic() if arrival is None else arrival
+        timeout = ctx.settings.request_timeout
+        self.deadline = None if timeout is None else self.arrival + timeout
+        self.queue: asyncio.Queue[SinkItem | None] = asyncio.Queue()  # None: wake up, see _interrupted
+        self.choices: dict[str, Choice] = {}
+        self._closed = False
+        self._interrupted: APIError | None = None
+
+    async def start(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Submit every choice together (one trip to the engine thread); all are accepted or none."""
+        n = params.n
+        if len(prompts) * n > MAX_CHOICES:
+            raise InvalidRequestError(f"prompts x n must not exceed {MAX_CHOICES}", param="n")
+        submits = []
+        for p, ids in enumerate(prompts):
+            for i in range(n):
+                index = p * n + i
+                rid = f"{self.request_id}-{index}"
+                self.choices[rid] = Choice(index, p, rid, prompt_tokens=len(ids))
+                # n > 1: each copy its own seed, so seeded choices differ yet stay reproducible.
+                copy = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+                submits.append(self.ctx.engine.add_request(ids, copy, rid, sink=self.queue))
+        self.ctx.drain.runs.add(self)
+        results = await asyncio.gather(*submits, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self.close("rejected")
+            raise errors[0]
+
+    async def outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Every output of every choice, as produced, until all have finished."""
+        remaining = len(self.choices)
+        while remaining:
+            item = await self._next()
+            if self._interrupted is not None:
+                raise self._interrupted
+            if isinstance(item, RequestFailedError):
+                raise APIError(500, str(item), code="engine_error")
+            assert item is not None
+            choice = self.choices[item.request_id]
+            self._observe(choice, item)
+            if item.finished:
+                choice.finished = True
+                remaining -= 1
+                reason = item.outputs[0].finish_reason
+                self.ctx.metrics.requests.labels(reason or "unknown").inc()
+                if reason not in ("stop", "length"):
+                    raise APIError(500, f"generation failed (finish_reason={reason})", code="engine_error")
+            yield choice, item
+
+    async def _next(self) -> SinkItem | None:
+        if self.deadline is None:
+            return await self.queue.get()
+        try:
+            return await asyncio.wait_for(self.queue.get(), max(0.0, self.deadline - time.monotonic()))
+        except TimeoutError:
+            self.close("timeout")
+            raise APIError(504, f"the request did not finish within {self.ctx.settings.request_timeout} s",
+                           code="request_timeout") from None
+
+    def _observe(self, choice: Choice, out: RequestOutput) -> None:
+        new = len(out.outputs[0].delta_token_ids)
+        if not new:
+            return
+        now = time.monotonic()
+        m = self.ctx.metrics
+        if choice.first_token_at is None:
+            choice.first_token_at = now
+            m.ttft.observe(now - self.arrival)
+            m.prompt_tokens.inc(choice.prompt_tokens)
+        elif choice.last_token_at is not None:
+            for _ in range(new):
+                m.itl.observe((now - choice.last_token_at) / new)
+        choice.last_token_at = now
+        choice.completion_tokens += new
+        m.generation_tokens.inc(new)
+        if out.finished:
+            m.e2e.observe(now - self.arrival)
+
+    def interrupt(self, error: APIError) -> None:
+        """From outside (the drain): abort all choices and make `outputs` raise `error`."""
+        self._interrupted = error
+        self.queue.put_nowait(None)
+        self.close("shutdown")
+
+    def close(self, outcome: str = "cancelled") -> None:
+        """Abort unfinished choices (freeing their KV blocks) and count them under `outcome`. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.ctx.drain.runs.discard(self)
+        for choice in self.choices.values():
+            if not choice.finished:
+                choice.finished = True
+                self.ctx.engine.abort_nowait(choice.request_id)
+                if outcome != "rejected":
+                    self.ctx.metrics.requests.labels(outcome).inc()
+
+    @contextmanager
+    def closing(self) -> Iterator[None]:
+        """Close on the way out with the right outcome: the client left, something failed, or done."""
+        try:
+            yield
+        except (asyncio.CancelledError, GeneratorExit, ClientDisconnected):
+            self.close("cancelled")
+            raise
+        except BaseException:
+            self.close("error")
+            raise
+        finally:
+            self.close()  # finished normally: nothing is open, so this only unregisters the run
+
+    def usage(self) -> dict[str, int]:
+        # OpenAI counts each prompt once, however many choices share it.
+        prompt = sum({c.prompt_index: c.prompt_tokens for c in self.choices.values()}.values())
+        completion = sum(c.completion_tokens for c in self.choices.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def api_error_for(e: BaseException) -> APIError:
+    """Any failure during generation, as the API error to send (used where handlers cannot raise)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, KvyardError):
+        return from_kvyard_error(e)
+    log.error("generation failed", exc_info=e)
+    return APIError(500, "internal server error", code="internal_error")

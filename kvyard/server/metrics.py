@@ -1,0 +1,63 @@
+"""Prometheus metrics of one app, in a registry of its own so several apps can live in one process.
+
+Latencies and token counts are observed by the server as outputs pass through it; engine state
+(running, waiting, KV usage, preemptions) is read from the engine's stats snapshot when scraped.
+"""
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from kvyard.server.async_engine import EngineStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield GaugeMetricFamily("kvyard_num_requests_running", "Requests in the engine's running batch",
+                                value=s.num_running)
+        yield GaugeMetricFamily("kvyard_num_requests_waiting", "Requests queued for the engine (waiting + pending)",
+                                value=s.num_waiting + s.num_pending)
+        yield GaugeMetricFamily("kvyard_kv_cache_usage_ratio", "Fraction of KV blocks in use",
+                                value=s.kv_cache_usage)
+        yield GaugeMetricFamily("kvyard_kv_cache_free_blocks", "Free KV blocks", value=s.num_free_blocks)
+        yield CounterMetricFamily("kvyard_num_preemptions", "Requests preempted to free KV blocks",
+                                  value=s.num_preemptions)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvyard_requests", "Finished engine requests (choices) by outcome: a finish_reason, or "
+            "error / timeout / cancelled / shutdown", ["outcome"], registry=r)
+        self.rejected = Counter(
+            "kvyard_rejected_requests", "HTTP requests refused before reaching the engine, by reason",
+            ["reason"], registry=r)
+        self.ttft = Histogram("kvyard_time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvyard_inter_token_latency_seconds", "Time between tokens of one request",
+                             buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvyard_e2e_request_latency_seconds", "Arrival to the final output",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvyard_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("kvyard_generation_tokens", "Generated tokens", registry=r)
+        # Hook for the repetition guard (another issue): it increments this with its action
+        # ("stop", "penalize", ...) every time it trips.
+        self.repetition_guard_trips = Counter(
+            "kvyard_repetition_guard_trips", "Times the repetition guard intervened, by action", ["action"],
+            registry=r)
+        r.register(_EngineCollector(stats))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

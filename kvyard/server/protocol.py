@@ -1,0 +1,274 @@
+"""Request bodies of the OpenAI API (completions, chat completions), plus vLLM's sampling extensions.
+
+Types are strict: `"max_tokens": "5"` or `true` for an integer is a 400, not a silent coercion. Unknown
+fields are accepted and ignored, because OpenAI clients send fields we do not implement (`logit_bias`,
+`tool_choice`, ...). Ranges are left to `SamplingParams.validate`, the one place that defines them, except
+for what only the server knows (which parameters exist only on one endpoint, bounds of the wire format).
+"""
+
+import json
+from typing import Annotated, Any, Literal, TypeVar
+
+from fastapi import Request
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_serializer,
+    model_validator,
+)
+
+from kvyard.server.errors import APIError
+
+Int64 = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+Count = Annotated[StrictInt, Field(le=2**31 - 1)]  # anything larger is a typo, and overflows torch tensors
+MaxTokens = Annotated[StrictInt, Field(ge=1, le=2**31 - 1)]
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: StrictBool | None = False
+
+
+class SamplingFields(OpenAIModel):
+    """Fields both endpoints share; None means "not given", so the SamplingParams default applies."""
+
+    model: StrictStr | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    n: Count | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: Int64 | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    # vLLM extensions
+    top_k: Count | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    ignore_eos: StrictBool | None = None
+    min_tokens: Count | None = None
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: StrictBool | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+PromptInput = StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    logprobs: Count | None = None
+    echo: StrictBool | None = False
+    suffix: StrictStr | None = None
+    best_of: Count | None = None
+
+
+class TextPart(OpenAIModel):
+    type: StrictStr
+    text: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "TextPart":
+        if self.type != "text":
+            raise ValueError(f"only text content parts are supported, got type {self.type!r}")
+        if self.text is None:
+            raise ValueError("a text part needs text")
+        return self
+
+
+class FunctionCall(OpenAIModel):
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCall(OpenAIModel):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _role_rules(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The dict a chat template sees: text parts joined, `developer` as `system`, nothing unset."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text or "" for part in content)
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.name is not None:
+            msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [call.model_dump(include={"id", "type", "function"}) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        return msg
+
+
+class FunctionDefinition(OpenAIModel):
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: Count | None = None
+    tools: list[Tool] | None = None
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def read_body(request: Request, model: type[M]) -> M:
+    """Parse and validate a JSON body; a pydantic ValidationError becomes a 400 in the error handlers."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, absurd nesting
+        raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    return model.model_validate(data)
+
+
+# ---- responses ---------------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class AssistantMessage(BaseModel):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _only_set(self) -> dict[str, str]:
+        # Unset fields are left out of a chunk: the first carries the role, later ones only content.
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "kvyard"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
