@@ -15,6 +15,7 @@ _HELP = {
     "max_num_batched_tokens": "token budget of one forward pass (decodes + prefill chunks)",
     "max_num_seqs": "most requests running at once",
     "enable_chunked_prefill": "split long prompts across steps",
+    "enable_prefix_caching": "reuse the KV cache of prompt prefixes seen before",
     "max_model_len": "context limit (default: the model's)",
     "num_threads": "CPU threads for torch (default: all cores)",
 }

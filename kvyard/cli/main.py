@@ -58,9 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.set_defaults(func=cmd_fetch)
 
     from kvyard.bench.offline import add_offline_bench_parser
+    from kvyard.bench.prefix import add_prefix_bench_parser
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     add_offline_bench_parser(bench)
+    add_prefix_bench_parser(bench)
     return parser
 
 

@@ -50,7 +50,7 @@ class LLMEngine:
         self.max_model_len = min(context, num_blocks * cfg.block_size)
         model = DecoderModel(ckpt.config, cfg.dtype, device, max_positions=self.max_model_len)
         model.load(ckpt.tensors(), str(path))
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.blocks)
         self.runner = ModelRunner(model, allocate_kv_caches(ckpt.config, num_blocks, cfg.block_size, cfg.dtype, device),
                                   cfg.block_size)
@@ -134,6 +134,7 @@ class LLMEngine:
         self.stats["steps"] += 1
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
+            self.blocks.commit(req)
         now = time.monotonic()
         for req, token, logprob in zip(step.sampled, result.token_ids, result.logprobs, strict=True):
             tracked = self._tracked[req.request_id]

@@ -27,6 +27,9 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    cache_salt: bytes = b""  # isolates this request's prefix-cache entries from requests with another salt
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
+    num_committed_blocks: int = 0  # leading blocks registered in the prefix cache
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None

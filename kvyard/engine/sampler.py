@@ -23,7 +23,7 @@ def fast_argmax(logits: torch.Tensor) -> torch.Tensor:
     rows); a max over chunks, then an argmax inside the winning chunk, gives the same index.
     """
     rows, vocab = logits.shape
-    if logits.device.type != "cpu" or vocab <= _ARGMAX_CHUNK:
+    if logits.device.type != "cpu" or vocab <= _ARGMAX_CHUNK or rows == 0:
         return logits.argmax(-1)
     pad = -vocab % _ARGMAX_CHUNK
     padded = F.pad(logits, (0, pad), value=float("-inf")) if pad else logits

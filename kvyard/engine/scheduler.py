@@ -69,15 +69,18 @@ class Scheduler:
             return batch  # memory is tight: do not admit new work this step
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            n = req.num_tokens - req.num_computed_tokens
+            hits = self.blocks.match_prefix(req)  # the prompt's leading blocks already in the cache
+            start = len(hits) * self.blocks.block_size
+            n = req.num_tokens - start
             if n > budget:
                 if not self.cfg.enable_chunked_prefill and batch.requests:
                     break  # whole prompts only: wait for a step with room
                 n = n if not self.cfg.enable_chunked_prefill else budget
-            if not self.blocks.can_fit(req, req.num_computed_tokens + n):
+            if not self.blocks.can_fit(req, start + n, hits):
                 break
             self.waiting.popleft()
-            self.blocks.grow(req, req.num_computed_tokens + n)
+            self.blocks.admit(req, start + n, hits)
+            req.num_computed_tokens = start
             req.status = Status.RUNNING
             self.running.append(req)
             batch.add(req, n)

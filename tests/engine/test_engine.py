@@ -112,3 +112,13 @@ def test_stop_token_ids_outside_vocabulary_are_refused(llm):
     with pytest.raises(InvalidRequestError) as e:
         llm.engine.add_request("hi", SamplingParams(stop_token_ids=[10**6], min_tokens=1))
     assert e.value.param == "stop_token_ids"
+
+
+def test_lone_prompt_longer_than_the_token_budget(tiny_checkpoint):
+    # Its first steps sample nothing (no row of logits): chunked prefill must carry on regardless.
+    path = str(tiny_checkpoint("llama"))
+    chunked = LLM(path, dtype="float32", max_num_batched_tokens=8)
+    whole = LLM(path, dtype="float32", enable_chunked_prefill=False)
+    prompt = "Paged attention keeps the KV cache in fixed-size blocks. " * 2
+    a, b = chunked.generate(prompt, GREEDY)[0].outputs[0], whole.generate(prompt, GREEDY)[0].outputs[0]
+    assert a.finish_reason == "length" and a.token_ids == b.token_ids
