@@ -8,7 +8,7 @@ PROMPT ?= Explain in two sentences what a KV cache is.
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: test serve generate lint model bench clean
+.PHONY: test serve generate lint model bench clean peers bench-serve
 
 $(PY):
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -37,5 +37,43 @@ generate: $(STAMP) model
 bench: $(STAMP) model
 	$(VENV)/bin/kvyard bench offline --model $(MODEL) --peers hf
 
+# ---- peers: llama.cpp's OpenAI server, in a venv of its own (its fastapi/uvicorn never touch .venv) ----
+# Not part of `make test`. LLAMA_CPP_WHEEL=path/to/llama_cpp_python-0.3.36-*.whl installs a prebuilt wheel;
+# otherwise llama-cpp-python is built from source for AVX-512 without AMX: the native build's AMX kernels
+# die with SIGILL on multi-token prompts on CPUs that report AMX but do not let processes use it.
+PEERS_VENV := .peers-venv
+PEERS_STAMP := $(PEERS_VENV)/.peers-installed
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_CPP_WHEEL ?=
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+
+$(PEERS_STAMP):
+	$(PYTHON) -m venv $(PEERS_VENV)
+ifneq ($(LLAMA_CPP_WHEEL),)
+	$(PEERS_VENV)/bin/pip install --quiet '$(abspath $(LLAMA_CPP_WHEEL))[server]'
+else
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PEERS_VENV)/bin/pip install --quiet --no-binary llama-cpp-python \
+		'llama-cpp-python[server]==$(LLAMA_CPP_VERSION)'
+endif
+	touch $(PEERS_STAMP)
+
+peers: $(PEERS_STAMP)
+
+# kvyard against llama.cpp's server on the same GGUF, one server at a time, rounds alternating.
+# llama-cpp-python's server runs one request at a time (a lock around its one context); its default
+# --interrupt_requests true would cut the running stream short whenever another request queues, and its
+# default --logits_all true computes the LM head for every prompt token.
+SERVE_ARGS ?= --workload random --input-len 128 --output-len 64 --concurrency 32 --num-requests 128 --rounds 2 \
+	--tokenizer $(MODEL) --timeout 900
+bench-serve: $(STAMP) model peers
+	gguf=$$($(VENV)/bin/kvyard fetch $(MODEL)) && $(VENV)/bin/kvyard bench serve-compare \
+		--system "kvyard=$(VENV)/bin/kvyard serve --model $(MODEL) --port {port} --log-level warning" \
+		--system "llama.cpp=$(PEERS_VENV)/bin/python -m llama_cpp.server --model $$gguf --host 127.0.0.1 \
+		--port {port} --n_threads 2 --n_threads_batch 2 --n_ctx 4096 --n_batch 512 --logits_all false \
+		--interrupt_requests false" \
+		--out-dir bench-results/serve-compare $(SERVE_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .ruff_cache

@@ -15,7 +15,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort", "error", ...
+    finish_reason: str | None = None  # "stop", "length", "repetition", "abort", "error"
     stop_reason: str | int | None = None  # the stop string or token that ended it
     logprobs: list[TokenLogprob] | None = None
     # The part produced since the previous output of this request (for streaming).

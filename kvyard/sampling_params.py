@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+from kvyard.engine.repetition import RepetitionDetection
 from kvyard.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
@@ -25,10 +26,14 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return with each sampled token
     n: int = 1
     skip_special_tokens: bool = True
+    # Finish with "repetition" when the output loops (kvyard/engine/repetition.py); None: never.
+    repetition_detection: RepetitionDetection | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.repetition_detection, dict):  # the offline API's shorthand
+            self.repetition_detection = RepetitionDetection.from_dict(self.repetition_detection)
         self.validate()
 
     @property
@@ -55,6 +60,11 @@ class SamplingParams:
         for name, ok, why in checks:
             if not ok:
                 raise InvalidRequestError(f"{name} {why}, got {getattr(self, name)!r}", param=name)
+        if self.repetition_detection is not None:
+            if not isinstance(self.repetition_detection, RepetitionDetection):
+                raise InvalidRequestError("repetition_detection must be a RepetitionDetection",
+                                          param="repetition_detection")
+            self.repetition_detection.validate()
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", param="min_tokens"

@@ -49,3 +49,14 @@ def smollm2_path() -> Path:
     from kvyard.loader.registry import resolve_model
 
     return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_path):
+    """The real default model behind an AsyncEngine (float32), loaded once for every test that needs it."""
+    from kvyard.server.async_engine import AsyncEngine
+    from tests.server.conftest import tiny_engine_config
+
+    eng = AsyncEngine.from_config(tiny_engine_config(smollm2_path, kv_cache_memory="64MiB"))
+    yield eng
+    eng.shutdown()

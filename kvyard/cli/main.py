@@ -59,9 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvyard.bench.offline import add_offline_bench_parser
     from kvyard.bench.prefix import add_prefix_bench_parser
+    from kvyard.bench.serve import add_serve_bench_parsers
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     add_offline_bench_parser(bench)
+    add_serve_bench_parsers(bench)
     add_prefix_bench_parser(bench)
     return parser
 

@@ -11,6 +11,7 @@ from kvyard.config import EngineConfig
 from kvyard.engine.block_manager import BlockManager
 from kvyard.engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from kvyard.engine.model_runner import ModelRunner
+from kvyard.engine.repetition import RepetitionDetector
 from kvyard.engine.request import Request
 from kvyard.engine.sampler import sample
 from kvyard.engine.scheduler import ScheduledBatch, Scheduler
@@ -30,6 +31,7 @@ class _Tracked:
     req: Request
     detok: Detokenizer
     tokens_sent: int = 0
+    repetition: RepetitionDetector | None = None
 
 
 class LLMEngine:
@@ -85,7 +87,10 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
         detok = Detokenizer(self._fast_tokenizer, ids, params.stop, params.skip_special_tokens)
-        self._tracked[request_id] = _Tracked(req, detok)
+        repetition = None
+        if params.repetition_detection is not None:
+            repetition = RepetitionDetector(params.repetition_detection, self._fast_tokenizer)
+        self._tracked[request_id] = _Tracked(req, detok, repetition=repetition)
         self.scheduler.add(req)
         return request_id
 
@@ -146,14 +151,17 @@ class LLMEngine:
             if logprob is not None:
                 req.logprobs.append(logprob)
             tracked.detok.add(token)
-            reason = self._stop_reason(req, token, tracked.detok)
+            reason = self._stop_reason(req, token, tracked.detok, tracked.repetition)
             if reason is not None:
                 self.scheduler.finish(req, reason)
             outputs.append(self._output(tracked))
         return outputs
 
-    def _stop_reason(self, req: Request, token: int, detok: Detokenizer) -> str | None:
+    def _stop_reason(self, req: Request, token: int, detok: Detokenizer,
+                     repetition: RepetitionDetector | None = None) -> str | None:
         p = req.params
+        # The detector sees every token (its state is the tail), but like a stop it acts after min_tokens.
+        looped = repetition is not None and repetition.add(token, detok.text) is not None
         if req.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in req.eos_token_ids:
                 return "stop"
@@ -163,6 +171,9 @@ class LLMEngine:
             if detok.stop_hit is not None:
                 req.stop_reason = detok.stop_hit
                 return "stop"
+            if looped:
+                log.debug("%s loops: %s", req.request_id, repetition.found)  # type: ignore[union-attr]
+                return "repetition"
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None

@@ -7,6 +7,7 @@ can put several apps with different settings in front of one engine.
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from kvyard import __version__
 from kvyard.server.async_engine import AsyncEngine
 from kvyard.server.chat import create_chat_completion
 from kvyard.server.completions import create_completion
@@ -14,14 +15,16 @@ from kvyard.server.config import ServerSettings
 from kvyard.server.context import ServerContext
 from kvyard.server.errors import InternalErrorMiddleware, install_error_handlers
 from kvyard.server.guards import GuardMiddleware
+from kvyard.server.openapi import install_openapi
 from kvyard.server.protocol import ModelCard, ModelList
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     ctx = ServerContext.build(engine, settings)
-    # Every route takes the raw Request and validates the body itself, so the generated OpenAPI schema
-    # would say nothing useful; the OpenAI API reference is the documentation.
-    app = FastAPI(title="kvyard", docs_url=None, redoc_url=None, openapi_url=None)
+    # Every route takes the raw Request and validates the body itself; `install_openapi` describes the
+    # bodies from the same models. No docs pages: the OpenAI API reference is the documentation.
+    app = FastAPI(title="kvyard", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    install_openapi(app)
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, drain=ctx.drain, metrics=ctx.metrics, api_key=settings.api_key,

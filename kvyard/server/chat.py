@@ -5,10 +5,11 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
 
+from kvyard.errors import PromptTooLongError
 from kvyard.outputs import RequestOutput
 from kvyard.server.context import ServerContext
 from kvyard.server.errors import APIError
-from kvyard.server.generation import EngineRun, api_error_for, new_id, sampling_params
+from kvyard.server.generation import EngineRun, api_error_for, guard_for, new_id, sampling_params
 from kvyard.server.logprobs import chat_logprobs
 from kvyard.server.protocol import (
     AssistantMessage,
@@ -40,9 +41,13 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
         if max_tokens is None:
             # OpenAI's default: as much as the context allows (the engine stops at the context limit).
             max_tokens = max(1, ctx.engine.max_model_len - len(prompt))
-        params = sampling_params(body, max_tokens, logprobs, ctx.engine.model_config.vocab_size)
-        run = EngineRun(ctx, new_id("chatcmpl"), arrival)
-        await run.start([prompt], params)
+        guard = guard_for(ctx, body)
+        params = sampling_params(body, max_tokens, logprobs, ctx.engine.model_config.vocab_size, guard)
+        run = EngineRun(ctx, new_id("chatcmpl"), arrival, guard, streaming=bool(body.stream))
+        try:
+            await run.start([prompt], params)
+        except PromptTooLongError as e:
+            raise PromptTooLongError(str(e), param="messages") from None  # a chat request has no `prompt`
     if body.stream:
         return EventStreamResponse(_stream(ctx, run, model, body), on_close=run.close)
     try:

@@ -9,7 +9,15 @@ from kvyard.errors import InvalidRequestError
 from kvyard.outputs import RequestOutput
 from kvyard.server.context import ServerContext
 from kvyard.server.errors import APIError
-from kvyard.server.generation import MAX_CHOICES, Choice, EngineRun, api_error_for, new_id, sampling_params
+from kvyard.server.generation import (
+    MAX_CHOICES,
+    Choice,
+    EngineRun,
+    api_error_for,
+    guard_for,
+    new_id,
+    sampling_params,
+)
 from kvyard.server.logprobs import completion_logprobs
 from kvyard.server.protocol import (
     CompletionChoice,
@@ -30,10 +38,11 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     model = ctx.check_model(body.model)
     _reject_unsupported(body)
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = sampling_params(body, max_tokens, body.logprobs, ctx.engine.model_config.vocab_size)
+    guard = guard_for(ctx, body)
+    params = sampling_params(body, max_tokens, body.logprobs, ctx.engine.model_config.vocab_size, guard)
     with ctx.admission.admit():
         prompts = await _prompt_ids(ctx, body.prompt)
-        run = EngineRun(ctx, new_id("cmpl"), arrival)
+        run = EngineRun(ctx, new_id("cmpl"), arrival, guard, streaming=bool(body.stream))
         await run.start(prompts, params)
     if body.stream:
         return EventStreamResponse(_stream(ctx, run, model, body), on_close=run.close)

@@ -23,7 +23,8 @@ from typing import Any
 import yaml
 
 from kvyard.config import EngineConfig, parse_bytes
-from kvyard.errors import ConfigError
+from kvyard.errors import ConfigError, InvalidRequestError
+from kvyard.server.repetition import RepetitionGuard, guard_setting
 
 
 @dataclass
@@ -38,9 +39,16 @@ class ServerSettings:
     drain_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     served_model_name: str | None = None  # default: the engine's model name
     log_level: str = "info"
+    # What to do when a generation loops: {action: off|stop|retry, max_retries, min_count, ...}
+    # (kvyard/server/repetition.py); requests may override it. A mapping here, a RepetitionGuard after.
+    repetition_guard: RepetitionGuard | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.max_body_bytes = parse_bytes(self.max_body_bytes)
+        try:
+            self.repetition_guard = guard_setting(self.repetition_guard)
+        except InvalidRequestError as e:
+            raise ConfigError(f"server setting {e}", param=e.param) from None
         checks = [
             ("port", 0 <= self.port <= 65535, "must be in [0, 65535]"),
             ("max_queue", self.max_queue is None or self.max_queue >= 0, "must be >= 0"),
@@ -52,6 +60,11 @@ class ServerSettings:
         for name, ok, why in checks:
             if not ok:
                 raise ConfigError(f"server setting {name} {why}, got {getattr(self, name)!r}", param=name)
+
+    @property
+    def guard(self) -> RepetitionGuard:
+        assert isinstance(self.repetition_guard, RepetitionGuard)  # __post_init__ made it one
+        return self.repetition_guard
 
 
 @dataclass

@@ -21,6 +21,7 @@ from kvyard.server.async_engine import RequestFailedError, SinkItem
 from kvyard.server.context import ServerContext
 from kvyard.server.errors import APIError, from_kvyard_error
 from kvyard.server.protocol import SamplingFields
+from kvyard.server.repetition import RepetitionGuard, request_guard
 from kvyard.server.sse import ClientDisconnected
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,23 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+# Finish reasons of a choice that produced a result; anything else (abort, error) is a failure.
+_COMPLETED = ("stop", "length", "repetition")
+
+
+def guard_for(ctx: ServerContext, body: SamplingFields) -> RepetitionGuard:
+    """The repetition guard of this request: the deployment's, overridden by the request's fields."""
+    vllm = body.repetition_detection
+    own = body.repetition_guard
+    return request_guard(
+        ctx.settings.guard,
+        None if own is None else own.model_dump(exclude_none=True),
+        None if vllm is None else vllm.model_dump(include={"max_pattern_size", "min_pattern_size", "min_count"}),
+    )
+
+
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int,
+                    guard: RepetitionGuard | None = None) -> SamplingParams:
     """Validated SamplingParams (InvalidRequestError names the field) from the fields the client set."""
     kwargs = {name: getattr(body, name) for name in _OPTIONAL_FIELDS if getattr(body, name) is not None}
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -45,26 +62,34 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
         # The sampler indexes logits with these; out-of-vocabulary ids must never reach it.
         raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab_size}",
                                   param="stop_token_ids")
+    detection = guard.detection if guard is not None and guard.enabled else None
     return SamplingParams(max_tokens=max_tokens, stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs,
-                          n=1 if body.n is None else body.n, **kwargs)
+                          n=1 if body.n is None else body.n, repetition_detection=detection, **kwargs)
 
 
 @dataclass
 class Choice:
     index: int
     prompt_index: int
-    request_id: str
+    request_id: str  # of its current engine request (a repetition retry starts a new one)
+    prompt: list[int]
+    params: SamplingParams
     prompt_tokens: int = 0
     completion_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished: bool = False
+    attempt: int = 0  # repetition retries so far
+    sent: bool = False  # a stream has passed some of its tokens on: too late to retry
 
 
 class EngineRun:
-    def __init__(self, ctx: ServerContext, request_id: str, arrival: float | None = None):
+    def __init__(self, ctx: ServerContext, request_id: str, arrival: float | None = None,
+                 guard: RepetitionGuard | None = None, streaming: bool = False):
         self.ctx = ctx
         self.request_id = request_id
+        self.guard = guard or RepetitionGuard()
+        self.streaming = streaming
         # When the HTTP request arrived (time.monotonic()): latencies and the deadline count from there.
         self.arrival = time.monotonic() if arrival is None else arrival
         timeout = ctx.settings.request_timeout
@@ -84,9 +109,9 @@ class EngineRun:
             for i in range(n):
                 index = p * n + i
                 rid = f"{self.request_id}-{index}"
-                self.choices[rid] = Choice(index, p, rid, prompt_tokens=len(ids))
                 # n > 1: each copy its own seed, so seeded choices differ yet stay reproducible.
                 copy = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+                self.choices[rid] = Choice(index, p, rid, ids, copy, prompt_tokens=len(ids))
                 submits.append(self.ctx.engine.add_request(ids, copy, rid, sink=self.queue))
         self.ctx.drain.runs.add(self)
         results = await asyncio.gather(*submits, return_exceptions=True)
@@ -106,15 +131,46 @@ class EngineRun:
                 raise APIError(500, str(item), code="engine_error")
             assert item is not None
             choice = self.choices[item.request_id]
-            self._observe(choice, item)
+            reason = item.outputs[0].finish_reason if item.finished else None
+            if reason == "repetition" and self._may_retry(choice):
+                self._observe(choice, item, final=False)
+                await self._retry(choice)
+                continue
+            self._observe(choice, item, final=item.finished)
             if item.finished:
                 choice.finished = True
                 remaining -= 1
-                reason = item.outputs[0].finish_reason
                 self.ctx.metrics.requests.labels(reason or "unknown").inc()
-                if reason not in ("stop", "length"):
+                if reason == "repetition":
+                    self.ctx.metrics.repetition_guard_trips.labels("stop").inc()
+                if choice.attempt:
+                    outcome = "repeated" if reason == "repetition" else "recovered"
+                    self.ctx.metrics.repetition_guard_retries.labels(outcome).inc()
+                if reason not in _COMPLETED:
                     raise APIError(500, f"generation failed (finish_reason={reason})", code="engine_error")
+            elif self.streaming and item.outputs[0].delta_token_ids:
+                choice.sent = True
             yield choice, item
+
+    def _may_retry(self, choice: Choice) -> bool:
+        g = self.guard
+        return g.action == "retry" and not choice.sent and choice.attempt < g.max_retries
+
+    async def _retry(self, choice: Choice) -> None:
+        """Generate a choice that looped again, as a new engine request feeding the same queue."""
+        metrics = self.ctx.metrics
+        metrics.repetition_guard_trips.labels("retry").inc()
+        if choice.attempt:
+            metrics.repetition_guard_retries.labels("repeated").inc()  # the previous retry looped too
+        choice.attempt += 1
+        del self.choices[choice.request_id]
+        choice.request_id = f"{self.request_id}-{choice.index}-retry{choice.attempt}"
+        self.choices[choice.request_id] = choice
+        choice.completion_tokens = 0  # usage counts the tokens the client gets
+        params = self.guard.retry_params(choice.params, choice.attempt)
+        log.info("%s looped; retry %d with repetition_penalty %.2f", self.request_id, choice.attempt,
+                 params.repetition_penalty)
+        await self.ctx.engine.add_request(choice.prompt, params, choice.request_id, sink=self.queue)
 
     async def _next(self) -> SinkItem | None:
         if self.deadline is None:
@@ -126,7 +182,7 @@ class EngineRun:
             raise APIError(504, f"the request did not finish within {self.ctx.settings.request_timeout} s",
                            code="request_timeout") from None
 
-    def _observe(self, choice: Choice, out: RequestOutput) -> None:
+    def _observe(self, choice: Choice, out: RequestOutput, final: bool) -> None:
         new = len(out.outputs[0].delta_token_ids)
         if not new:
             return
@@ -142,7 +198,7 @@ class EngineRun:
         choice.last_token_at = now
         choice.completion_tokens += new
         m.generation_tokens.inc(new)
-        if out.finished:
+        if final:
             m.e2e.observe(now - self.arrival)
 
     def interrupt(self, error: APIError) -> None:

@@ -52,11 +52,15 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("kvyard_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("kvyard_generation_tokens", "Generated tokens", registry=r)
-        # Hook for the repetition guard (another issue): it increments this with its action
-        # ("stop", "penalize", ...) every time it trips.
+        # The repetition guard (server/repetition.py): every loop it caught, by what it did about it
+        # ("stop": the choice ended with finish_reason "repetition"; "retry": it was generated again),
+        # and how each retry ended ("recovered": no loop this time; "repeated": it looped again).
         self.repetition_guard_trips = Counter(
             "kvyard_repetition_guard_trips", "Times the repetition guard intervened, by action", ["action"],
             registry=r)
+        self.repetition_guard_retries = Counter(
+            "kvyard_repetition_guard_retries", "Generations the repetition guard started again, by outcome",
+            ["outcome"], registry=r)
         r.register(_EngineCollector(stats))
 
     def render(self) -> tuple[bytes, str]:

@@ -38,6 +38,30 @@ class StreamOptions(OpenAIModel):
     include_usage: StrictBool | None = False
 
 
+class RepetitionGuardFields(BaseModel):
+    """kvyard's per-request `repetition_guard` (kvyard/server/repetition.py); unset fields keep the deployment's."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a typo here would silently do nothing
+
+    action: Literal["off", "stop", "retry"] | None = None
+    max_retries: Count | None = None
+    retry_repetition_penalty: StrictFloat | None = None
+    min_count: Count | None = None
+    min_pattern_size: Count | None = None
+    max_pattern_size: Count | None = None
+    plain_min_tokens: Count | None = None
+    text_min_count: Count | None = None
+    text_max_period: Count | None = None
+
+
+class VLLMRepetitionDetection(OpenAIModel):
+    """vLLM's `repetition_detection`: token n-grams of max_pattern_size (0: off) repeated min_count times."""
+
+    max_pattern_size: Count = 0
+    min_pattern_size: Count = 0
+    min_count: Count = 0
+
+
 class SamplingFields(OpenAIModel):
     """Fields both endpoints share; None means "not given", so the SamplingParams default applies."""
 
@@ -61,6 +85,9 @@ class SamplingFields(OpenAIModel):
     min_tokens: Count | None = None
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: StrictBool | None = None
+    repetition_detection: VLLMRepetitionDetection | None = None
+    # kvyard extension
+    repetition_guard: RepetitionGuardFields | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -121,6 +121,9 @@ def test_specific_errors_name_the_problem(server, engine):
         long_prompt = [7] * engine.max_model_len
         err = assert_openai_error(http.post("/v1/completions", json={"prompt": long_prompt}), 400)
         assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+        long_chat = {"messages": [{"role": "user", "content": "word " * engine.max_model_len}]}
+        err = assert_openai_error(http.post("/v1/chat/completions", json=long_chat), 400)
+        assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
         bad_role = {"messages": [{"role": "wizard", "content": "x"}]}
         err = assert_openai_error(http.post("/v1/chat/completions", json=bad_role), 400)
         assert "messages" in err["param"] and "role" in err["param"]

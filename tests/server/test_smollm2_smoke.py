@@ -1,18 +1,8 @@
 """One smoke test on the real default model: the chat template, tokenizer and sampling all line up."""
 
 import openai
-import pytest
 
-from kvyard.server.async_engine import AsyncEngine
-from tests.server.conftest import tiny_engine_config
 from tests.server.harness import running_server
-
-
-@pytest.fixture(scope="module")
-def smollm2_engine(smollm2_path):
-    eng = AsyncEngine.from_config(tiny_engine_config(smollm2_path, kv_cache_memory="64MiB"))
-    yield eng
-    eng.shutdown()
 
 
 def test_chat_with_the_real_model(smollm2_engine):
