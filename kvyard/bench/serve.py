@@ -131,8 +131,11 @@ def print_summary(report: dict[str, Any], out: Any = None) -> None:
     for run in report["runs"]:
         s = run["summary"]
         load = run["load"]
-        what = (f"concurrency {load['concurrency']}" if load["mode"] == "closed"
-                else f"Poisson rate {load['request_rate']}")
+        if load["mode"] == "closed":
+            what = f"concurrency {load['concurrency']}"
+        else:
+            rate = load["request_rate"]
+            what = "all at once" if rate is None else f"Poisson {rate:g} req/s (seed {load['seed']})"
         print(f"  {what}: {s['completed']}/{s['num_requests']} ok in {s['duration_s']:.1f} s, "
               f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s "
               f"(tokens per request {s['mean_output_tokens']:.1f}, match={s['output_tokens_match']}, "
