@@ -65,6 +65,9 @@ class EngineStats:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     num_preemptions: int = 0
+    prefix_cache_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # of which were found, so not prefilled again
+    num_cached_blocks: int = 0
     num_steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -301,6 +304,9 @@ class AsyncEngine:
             num_free_blocks=blocks.num_free_blocks,
             num_total_blocks=blocks.num_blocks,
             num_preemptions=eng.scheduler.num_preemptions,
+            prefix_cache_queried_tokens=blocks.queried_tokens,
+            prefix_cache_hit_tokens=blocks.hit_tokens,
+            num_cached_blocks=blocks.num_cached_blocks,
             num_steps=stats["steps"],
             prompt_tokens=stats["prompt_tokens"],
             generation_tokens=stats["generation_tokens"],

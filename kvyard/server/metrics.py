@@ -32,6 +32,13 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("kvyard_kv_cache_free_blocks", "Free KV blocks", value=s.num_free_blocks)
         yield CounterMetricFamily("kvyard_num_preemptions", "Requests preempted to free KV blocks",
                                   value=s.num_preemptions)
+        # Hit rate in tokens = hits / queries, taken over any window with rate() on both counters.
+        yield CounterMetricFamily("kvyard_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=s.prefix_cache_queried_tokens)
+        yield CounterMetricFamily("kvyard_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                  value=s.prefix_cache_hit_tokens)
+        yield GaugeMetricFamily("kvyard_prefix_cache_blocks", "KV blocks registered in the prefix cache",
+                                value=s.num_cached_blocks)
 
 
 class ServerMetrics:

@@ -134,6 +134,21 @@ def test_health_and_metrics(server):
                  "kvyard_inter_token_latency_seconds_bucket", "kvyard_e2e_request_latency_seconds_bucket",
                  "kvyard_prompt_tokens_total", "kvyard_generation_tokens_total", "kvyard_num_requests_running",
                  "kvyard_num_requests_waiting", "kvyard_kv_cache_usage_ratio", "kvyard_num_preemptions_total",
+                 "kvyard_prefix_cache_queries_total", "kvyard_prefix_cache_hits_total", "kvyard_prefix_cache_blocks",
                  "kvyard_repetition_guard_trips_total"):
         assert name in text, name
     assert 'kvyard_requests_total{outcome="length"}' in text
+
+
+def test_prefix_cache_hits_show_in_metrics(server, client):
+    def hits() -> float:
+        for line in httpx.get(server.url + "/metrics").text.splitlines():
+            if line.startswith("kvyard_prefix_cache_hits_total "):
+                return float(line.split()[1])
+        raise AssertionError("no prefix-cache hit counter")
+
+    prompt = "Paged attention keeps the KV cache in fixed-size blocks. " * 4
+    before = hits()
+    for _ in range(2):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    assert hits() > before
