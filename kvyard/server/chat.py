@@ -9,7 +9,7 @@ from kvyard.errors import PromptTooLongError
 from kvyard.outputs import RequestOutput
 from kvyard.server.context import ServerContext
 from kvyard.server.errors import APIError
-from kvyard.server.generation import EngineRun, api_error_for, guard_for, new_id, sampling_params
+from kvyard.server.generation import EngineRun, event_stream, guard_for, new_id, sampling_params
 from kvyard.server.logprobs import chat_logprobs
 from kvyard.server.protocol import (
     AssistantMessage,
@@ -23,7 +23,7 @@ from kvyard.server.protocol import (
     Usage,
     read_body,
 )
-from kvyard.server.sse import DONE, ClientDisconnected, EventStreamResponse, run_until_disconnect, sse
+from kvyard.server.sse import ClientDisconnected, EventStreamResponse, run_until_disconnect, sse
 
 
 async def create_chat_completion(request: Request, ctx: ServerContext) -> Response:
@@ -81,7 +81,7 @@ async def _collect(ctx: ServerContext, run: EngineRun, model: str, want_logprobs
                                   usage=Usage(**run.usage()))
 
 
-async def _stream(ctx: ServerContext, run: EngineRun, model: str, body: ChatCompletionRequest) -> AsyncIterator[str]:
+def _stream(ctx: ServerContext, run: EngineRun, model: str, body: ChatCompletionRequest) -> AsyncIterator[str]:
     created = int(time.time())
     want_logprobs = bool(body.logprobs)
     sent_tokens: dict[int, int] = {}
@@ -90,25 +90,21 @@ async def _stream(ctx: ServerContext, run: EngineRun, model: str, body: ChatComp
         return sse(ChatCompletionChunk(id=run.request_id, created=created, model=model, choices=choices,
                                        usage=usage).model_dump())
 
-    with run.closing():
-        try:
-            # OpenAI opens every choice with the role, before any content.
-            for choice in sorted(run.choices.values(), key=lambda c: c.index):
-                yield chunk([ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))])
-            async for choice, out in run.outputs():
-                c = out.outputs[0]
-                if not (c.delta_text or out.finished or (want_logprobs and c.delta_token_ids)):
-                    continue  # e.g. half a UTF-8 character, held back by the detokenizer
-                lps = None
-                if want_logprobs:
-                    lps = await _logprobs(ctx, out, sent_tokens.get(choice.index, 0))
-                    sent_tokens[choice.index] = len(c.token_ids)
-                delta = ChatDelta(content=c.delta_text) if c.delta_text else ChatDelta()
-                finish = c.finish_reason if out.finished else None
-                yield chunk([ChatChunkChoice(index=choice.index, delta=delta, logprobs=lps, finish_reason=finish)])
-            if body.include_usage:
-                yield chunk([], Usage(**run.usage()))
-        except Exception as e:
-            run.close("error")  # a timeout or drain already closed it under its own outcome
-            yield api_error_for(e).sse_event()
-        yield DONE
+    async def events() -> AsyncIterator[str]:
+        # OpenAI opens every choice with the role, before any content.
+        for choice in sorted(run.choices.values(), key=lambda c: c.index):
+            yield chunk([ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))])
+        async for choice, out in run.outputs():
+            c = out.outputs[0]
+            if not (c.delta_text or out.finished or (want_logprobs and c.delta_token_ids)):
+                continue  # e.g. half a UTF-8 character, held back by the detokenizer
+            lps = None
+            if want_logprobs:
+                lps = await _logprobs(ctx, out, sent_tokens.get(choice.index, 0))
+                sent_tokens[choice.index] = len(c.token_ids)
+            delta = ChatDelta(content=c.delta_text) if c.delta_text else ChatDelta()
+            finish = c.finish_reason if out.finished else None
+            yield chunk([ChatChunkChoice(index=choice.index, delta=delta, logprobs=lps, finish_reason=finish)])
+
+    usage = (lambda: chunk([], Usage(**run.usage()))) if body.include_usage else None
+    return event_stream(run, events(), usage)

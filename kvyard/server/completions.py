@@ -13,7 +13,7 @@ from kvyard.server.generation import (
     MAX_CHOICES,
     Choice,
     EngineRun,
-    api_error_for,
+    event_stream,
     guard_for,
     new_id,
     sampling_params,
@@ -27,7 +27,7 @@ from kvyard.server.protocol import (
     Usage,
     read_body,
 )
-from kvyard.server.sse import DONE, ClientDisconnected, EventStreamResponse, run_until_disconnect, sse
+from kvyard.server.sse import ClientDisconnected, EventStreamResponse, run_until_disconnect, sse
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
@@ -98,7 +98,7 @@ async def _collect(ctx: ServerContext, run: EngineRun, model: str, body: Complet
                               usage=Usage(**run.usage()))
 
 
-async def _stream(ctx: ServerContext, run: EngineRun, model: str, body: CompletionRequest) -> AsyncIterator[str]:
+def _stream(ctx: ServerContext, run: EngineRun, model: str, body: CompletionRequest) -> AsyncIterator[str]:
     created = int(time.time())
     want_logprobs = body.logprobs is not None
     sent_tokens: dict[int, int] = {}  # per choice: tokens whose logprobs were sent
@@ -108,20 +108,15 @@ async def _stream(ctx: ServerContext, run: EngineRun, model: str, body: Completi
         return sse(CompletionResponse(id=run.request_id, created=created, model=model, choices=choices,
                                       usage=usage).model_dump())
 
-    with run.closing():
-        try:
-            async for choice, out in run.outputs():
-                c = out.outputs[0]
-                if not (c.delta_text or out.finished or (want_logprobs and c.delta_token_ids)):
-                    continue  # e.g. half a UTF-8 character, held back by the detokenizer
-                part = await _delta_choice(ctx, choice, out, want_logprobs, sent_tokens, sent_chars)
-                yield chunk([part])
-            if body.include_usage:
-                yield chunk([], Usage(**run.usage()))
-        except Exception as e:
-            run.close("error")  # a timeout or drain already closed it under its own outcome
-            yield api_error_for(e).sse_event()
-        yield DONE
+    async def events() -> AsyncIterator[str]:
+        async for choice, out in run.outputs():
+            c = out.outputs[0]
+            if not (c.delta_text or out.finished or (want_logprobs and c.delta_token_ids)):
+                continue  # e.g. half a UTF-8 character, held back by the detokenizer
+            yield chunk([await _delta_choice(ctx, choice, out, want_logprobs, sent_tokens, sent_chars)])
+
+    usage = (lambda: chunk([], Usage(**run.usage()))) if body.include_usage else None
+    return event_stream(run, events(), usage)
 
 
 async def _delta_choice(ctx: ServerContext, choice: Choice, out: RequestOutput, want_logprobs: bool,

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -22,7 +22,7 @@ from kvyard.server.context import ServerContext
 from kvyard.server.errors import APIError, from_kvyard_error
 from kvyard.server.protocol import SamplingFields
 from kvyard.server.repetition import RepetitionGuard, request_guard
-from kvyard.server.sse import ClientDisconnected
+from kvyard.server.sse import DONE, ClientDisconnected
 
 log = logging.getLogger(__name__)
 
@@ -249,3 +249,21 @@ def api_error_for(e: BaseException) -> APIError:
         return from_kvyard_error(e)
     log.error("generation failed", exc_info=e)
     return APIError(500, "internal server error", code="internal_error")
+
+
+async def event_stream(run: EngineRun, events: AsyncIterator[str],
+                       usage_event: Callable[[], str] | None) -> AsyncIterator[str]:
+    """An endpoint's SSE chunks, then usage if asked; a failure becomes an error event, never a crash.
+
+    Every way out aborts the run's unfinished engine requests, and the stream always ends with [DONE].
+    """
+    with run.closing():
+        try:
+            async for event in events:
+                yield event
+            if usage_event is not None:
+                yield usage_event()
+        except Exception as e:
+            run.close("error")  # a timeout or drain already closed it under its own outcome
+            yield api_error_for(e).sse_event()
+        yield DONE
