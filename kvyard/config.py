@@ -43,10 +43,42 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse KV of prompt prefixes seen before
     max_model_len: int | None = None  # default: the model's context window
     num_threads: int | None = None  # CPU threads for torch; default: all cores
+    # Quantize linear weights while loading (int8, int4-g128, ...); a `kvyard quantize` directory
+    # needs no flag, its plan is in config.json.
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) or int8 (a scale per token and head)
+    # Speculative decoding (kvyard/spec/): None, "ngram" (prompt lookup) or "draft" (speculative_model).
+    speculative_method: str | None = None
+    speculative_model: str | None = None  # the draft model: a name, HF directory or .gguf file
+    num_speculative_tokens: int = 4  # the most drafts per request and step (k_max)
+    speculative_adaptive: bool = True  # adapt k per request to its acceptance
+    speculative_max_batch: int = 8  # no speculation in a step where more requests decode than this
+    ngram_min: int = 1  # prompt lookup matches the last n tokens, n from ngram_max down to ngram_min
+    ngram_max: int = 4
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise InvalidRequestError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}",
+                                      param="kv_cache_dtype")
+        if self.quantization:
+            from kvyard.quant.scheme import parse_weight_scheme
+
+            parse_weight_scheme(self.quantization)
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1", param=name)
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative_model and self.speculative_method is None:
+            self.speculative_method = "draft"  # a draft model alone says which method
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise InvalidRequestError(f"speculative_method must be ngram or draft, got {self.speculative_method!r}",
+                                      param="speculative_method")
+        if self.speculative_method == "draft" and not self.speculative_model:
+            raise InvalidRequestError("speculative_method draft needs speculative_model", param="speculative_model")
+        for name in ("num_speculative_tokens", "speculative_max_batch", "ngram_min", "ngram_max"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", param=name)

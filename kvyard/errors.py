@@ -13,6 +13,10 @@ class UnsupportedArchitectureError(CheckpointError):
     """The checkpoint is readable but its architecture is not one kvyard implements."""
 
 
+class TokenizerMismatchError(CheckpointError):
+    """A draft model's tokenizer differs from its target's, so its token ids would mean other text."""
+
+
 class InvalidRequestError(KvyardError, ValueError):
     """A request is malformed: bad sampling parameters, an empty prompt, and the like.
 

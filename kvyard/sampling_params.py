@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from kvyard.engine.repetition import RepetitionDetection
 from kvyard.errors import InvalidRequestError
+from kvyard.structured.spec import StructuredOutput
 
 MAX_LOGPROBS = 20
 
@@ -28,6 +29,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Finish with "repetition" when the output loops (kvyard/engine/repetition.py); None: never.
     repetition_detection: RepetitionDetection | None = None
+    # Constrain the output to a grammar (JSON schema, regex, choice, EBNF/Lark); see kvyard/structured/.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +68,9 @@ class SamplingParams:
                 raise InvalidRequestError("repetition_detection must be a RepetitionDetection",
                                           param="repetition_detection")
             self.repetition_detection.validate()
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise InvalidRequestError("structured_output must be a StructuredOutput",
+                                      param="structured_output")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", param="min_tokens"

@@ -18,6 +18,15 @@ _HELP = {
     "enable_prefix_caching": "reuse the KV cache of prompt prefixes seen before",
     "max_model_len": "context limit (default: the model's)",
     "num_threads": "CPU threads for torch (default: all cores)",
+    "kv_cache_dtype": "KV cache storage: auto (the model dtype) or int8",
+    "quantization": "quantize weights on load: int8 or int4-g32|g64|g128[-asym] (lm_head stays dense)",
+    "speculative_method": "speculative decoding: ngram (prompt lookup) or draft (needs --speculative-model)",
+    "speculative_model": "draft model for speculative decoding (same tokenizer as --model); implies draft",
+    "num_speculative_tokens": "most draft tokens verified per request and step",
+    "speculative_adaptive": "adapt the draft length per request to its acceptance rate",
+    "speculative_max_batch": "speculate only in steps where at most this many requests decode",
+    "ngram_min": "prompt lookup: shortest tail n-gram to match",
+    "ngram_max": "prompt lookup: longest tail n-gram to match",
 }
 
 
@@ -30,7 +39,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP.get(f.name))
         else:
             kind = int if f.name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-                                     "num_threads") else str
+                                     "num_threads", "num_speculative_tokens", "speculative_max_batch",
+                                     "ngram_min", "ngram_max") else str
             g.add_argument(flag, type=kind, default=default, help=_HELP.get(f.name))
 
 

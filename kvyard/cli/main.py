@@ -1,4 +1,4 @@
-"""`kvyard` command line: generate, serve, fetch, bench."""
+"""`kvyard` command line: generate, serve, route, up, quantize, fetch, bench."""
 
 import argparse
 import sys
@@ -49,9 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
+    from kvyard.cli.route import add_route_parsers
     from kvyard.cli.serve import add_serve_parser
+    from kvyard.quant.cli import add_quantize_parser
 
     add_serve_parser(sub)
+    add_route_parsers(sub)
+    add_quantize_parser(sub)
 
     fetch = sub.add_parser("fetch", help="download and verify a known model, print its path")
     fetch.add_argument("name", nargs="?", default="smollm2-135m")
@@ -59,12 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvyard.bench.offline import add_offline_bench_parser
     from kvyard.bench.prefix import add_prefix_bench_parser
+    from kvyard.bench.quant import add_quant_bench_parser
+    from kvyard.bench.route import add_route_bench_parser
     from kvyard.bench.serve import add_serve_bench_parsers
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     add_offline_bench_parser(bench)
     add_serve_bench_parsers(bench)
     add_prefix_bench_parser(bench)
+    add_route_bench_parser(bench)
+    add_quant_bench_parser(bench)
     return parser
 
 

@@ -28,6 +28,7 @@ _SERVER_FLAGS: list[tuple[str, type, str]] = [
     ("drain_timeout", float, "seconds in-flight requests get to finish after SIGTERM (default 30)"),
     ("served_model_name", str, "the model name clients use (default: --model)"),
     ("log_level", str, "uvicorn and kvyard log level (default info)"),
+    ("kv_events_port", int, "publish KV cache events for `kvyard route` on this ZeroMQ port (0: any free port)"),
 ]
 
 

@@ -6,6 +6,9 @@ leading block already cached, so only the rest of the prompt is computed. Blocks
 an unreferenced cached block stays in the pool until its memory is needed. Plain free blocks are reused
 first (most recently freed first, still warm in CPU caches); cached ones are evicted least recently used,
 a request's tail blocks before its head blocks, because heads are the parts other requests share.
+
+KV events (for a cache-aware router): when enabled, every key the prefix cache gains or loses is appended
+to `events` as it happens and the caller drains the list once per step (`take_events`).
 """
 
 import hashlib
@@ -14,15 +17,32 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvyard.engine.kv_events import BlockRemoved, BlockStored, KVEvent
 from kvyard.engine.request import Request
+
+# The hashing scheme, named so that a router can check it computes the same hashes (kv handshake).
+HASH_FUNCTION = "sha256(parent|len(salt)|salt|int64 tokens)"
+ROOT_HASH = b"\0" * 32  # the "parent" of a sequence's first block: the scheme's seed
 
 
 def block_hash(parent: bytes | None, tokens: tuple[int, ...], salt: bytes = b"") -> bytes:
     """sha256 over the parent hash, the salt and the token ids: the identity of a block's KV."""
-    h = hashlib.sha256(parent or b"\0" * 32)
+    h = hashlib.sha256(parent or ROOT_HASH)
     h.update(len(salt).to_bytes(4, "little") + salt)
     h.update(array("q", tokens).tobytes())
     return h.digest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes = b"") -> list[bytes]:
+    """The chained hashes of every full block of `token_ids`, as the engine registers them."""
+    out: list[bytes] = []
+    for i in range(len(token_ids) // block_size):
+        out.append(
+            block_hash(
+                out[-1] if out else None, tuple(token_ids[i * block_size : (i + 1) * block_size]), salt
+            )
+        )
+    return out
 
 
 @dataclass
@@ -44,6 +64,20 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.events: list[KVEvent] | None = None  # None: nobody listens, record nothing
+
+    # ---- KV events -----------------------------------------------------------------------------------
+
+    def enable_events(self) -> set[bytes]:
+        """Start recording events; returns the hashes cached now, the state the events start from."""
+        self.events = []
+        return set(self.cached)
+
+    def take_events(self) -> list[KVEvent]:
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     # ---- accounting ----------------------------------------------------------------------------------
 
@@ -111,7 +145,18 @@ class BlockManager:
     def _evict(self, blk: Block) -> None:
         if self.cached.get(blk.hash) == blk.block_id:
             del self.cached[blk.hash]
+            if self.events is not None:
+                self._record_removed(blk.hash)
         blk.hash, blk.tokens = None, ()
+
+    def _record_removed(self, h: bytes) -> None:
+        # Evictions come one block at a time; coalesce a run of them into one event.
+        events = self.events
+        assert events is not None  # only called while events are on
+        if events and isinstance(events[-1], BlockRemoved):
+            events[-1].block_hashes.append(h)
+        else:
+            events.append(BlockRemoved([h]))
 
     # ---- prefix caching ------------------------------------------------------------------------------
 
@@ -155,9 +200,35 @@ class BlockManager:
         bs = self.block_size
         full = req.num_computed_tokens // bs
         hashes = self._hashes(req, full)
+        stored: list[int] = []  # indices of blocks that are new keys of the cache
         for i in range(req.num_committed_blocks, full):
             blk = self.blocks[req.block_table[i]]
             if blk.hash is None:
                 blk.hash, blk.tokens = hashes[i], tuple(req.token_ids[i * bs : (i + 1) * bs])
-                self.cached.setdefault(blk.hash, blk.block_id)
+                if self.cached.setdefault(blk.hash, blk.block_id) == blk.block_id:
+                    stored.append(i)
         req.num_committed_blocks = max(req.num_committed_blocks, full)
+        if self.events is not None and stored:
+            self._record_stored(req, hashes, stored)
+
+    def _record_stored(self, req: Request, hashes: list[bytes], indices: list[int]) -> None:
+        """One BlockStored event per run of consecutive block indices."""
+        bs = self.block_size
+        events = self.events
+        assert events is not None  # only called while events are on
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            events.append(
+                BlockStored(
+                    block_hashes=hashes[first:end],
+                    parent_hash=hashes[first - 1] if first else None,
+                    token_ids=list(req.token_ids[first * bs : end * bs]),
+                    block_size=bs,
+                )
+            )

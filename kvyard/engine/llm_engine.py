@@ -3,7 +3,9 @@
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,12 +18,23 @@ from kvyard.engine.request import Request
 from kvyard.engine.sampler import sample
 from kvyard.engine.scheduler import ScheduledBatch, Scheduler
 from kvyard.errors import InvalidRequestError, PromptTooLongError
-from kvyard.loader.checkpoint import load_checkpoint
+from kvyard.loader.checkpoint import Checkpoint, load_checkpoint
 from kvyard.loader.registry import resolve_model
 from kvyard.models.decoder import DecoderModel
-from kvyard.outputs import CompletionOutput, RequestOutput
+from kvyard.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from kvyard.quant.plan import quantize_stream, uniform_plan
+from kvyard.quant.qtensor import QuantizedTensor
+from kvyard.quant.scheme import parse_weight_scheme
 from kvyard.sampling_params import SamplingParams
+from kvyard.spec.decoding import split_logits
+from kvyard.spec.setup import make_speculation
+from kvyard.spec.verify import verify
+from kvyard.structured.spec import StructuredOutput
 from kvyard.tokenizer.detokenizer import Detokenizer
+
+if TYPE_CHECKING:
+    from kvyard.structured.compiler import GrammarCompiler
+    from kvyard.structured.matcher import GrammarState
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +59,19 @@ class LLMEngine:
         self.tokenizer = ckpt.tokenizer
         self._fast_tokenizer = ckpt.tokenizer.backend_tokenizer
         device = torch.device(cfg.device)
-        num_blocks = num_blocks_for_budget(ckpt.config, cfg.block_size, cfg.dtype, cfg.kv_cache_memory)
+        num_blocks = num_blocks_for_budget(ckpt.config, cfg.block_size, cfg.dtype, cfg.kv_cache_memory,
+                                           cfg.kv_cache_dtype)
         context = min(ckpt.config.max_position_embeddings, cfg.max_model_len or 1 << 62)
         # A request must fit the whole pool, or preempting everyone else could still not make room.
         self.max_model_len = min(context, num_blocks * cfg.block_size)
         model = DecoderModel(ckpt.config, cfg.dtype, device, max_positions=self.max_model_len)
-        model.load(ckpt.tensors(), str(path))
+        model.load(self._weights(ckpt), str(path))
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.blocks)
-        self.runner = ModelRunner(model, allocate_kv_caches(ckpt.config, num_blocks, cfg.block_size, cfg.dtype, device),
+        self.runner = ModelRunner(model, allocate_kv_caches(ckpt.config, num_blocks, cfg.block_size, cfg.dtype, device,
+                                                         cfg.kv_cache_dtype),
                                   cfg.block_size)
+        self.spec = make_speculation(cfg, self.tokenizer, ckpt.config.vocab_size, num_blocks, self.max_model_len)
         eos = set(ckpt.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -63,7 +79,14 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, reported next step
         self._ids = itertools.count()
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
+
+    def _weights(self, ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        if not self.cfg.quantization:
+            return ckpt.tensors()
+        plan = uniform_plan(ckpt.config, parse_weight_scheme(self.cfg.quantization))
+        return quantize_stream(ckpt.tensors(), plan)
 
     # ---- admission -----------------------------------------------------------------------------------
 
@@ -86,6 +109,8 @@ class LLMEngine:
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
+        if params.structured_output is not None:
+            req.grammar = self._grammar_state(params.structured_output)
         detok = Detokenizer(self._fast_tokenizer, ids, params.stop, params.skip_special_tokens)
         repetition = None
         if params.repetition_detection is not None:
@@ -93,6 +118,24 @@ class LLMEngine:
         self._tracked[request_id] = _Tracked(req, detok, repetition=repetition)
         self.scheduler.add(req)
         return request_id
+
+    @property
+    def grammar_compiler(self) -> "GrammarCompiler":
+        """The compiler for this model's vocabulary (built lazily: xgrammar scans the whole vocabulary)."""
+        if self._grammar_compiler is None:
+            from kvyard.structured.compiler import GrammarCompiler
+
+            cfg = self.model_config
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler
+
+    def _grammar_state(self, spec: StructuredOutput) -> "GrammarState":
+        from kvyard.structured.matcher import GrammarState
+
+        # The server attaches the compiled grammar (compiled off this thread); the offline API compiles here,
+        # before the request joins a step.
+        compiled = spec.compiled if spec.compiled is not None else self.grammar_compiler.compile(spec)
+        return GrammarState(compiled)
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -122,13 +165,16 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)  # drafts in req.spec_token_ids, budgeted by schedule()
         batch = self.scheduler.schedule()
         if not batch.requests:
             return outputs
         try:
             step = self.runner.prepare(batch)
             logits = self.runner.execute(step)
-            result = sample(logits, step.sampled)
+            plain, plain_logits, verifying = split_logits(step.sampled, step.num_rows, logits)
+            result = sample(plain_logits, plain)
         except Exception:
             # A failure inside the model or sampler ends this step's requests, never the engine.
             log.exception("step failed; finishing its %d requests with an error", len(batch.requests))
@@ -138,28 +184,59 @@ class LLMEngine:
             return outputs
         self.stats["steps"] += 1
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
-            req.num_computed_tokens += n
+            # Drafts only count as computed once verified (below): blocks holding them are not committed.
+            req.num_computed_tokens += n - len(req.spec_token_ids)
             self.blocks.commit(req)
         now = time.monotonic()
-        for req, token, logprob in zip(step.sampled, result.token_ids, result.logprobs, strict=True):
+        for req, token, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
             tracked = self._tracked[req.request_id]
-            if req.first_token_time is None:
-                req.first_token_time = now
-                self.stats["prompt_tokens"] += req.num_prompt_tokens
-            req.token_ids.append(token)
-            self.stats["generation_tokens"] += 1
-            if logprob is not None:
-                req.logprobs.append(logprob)
-            tracked.detok.add(token)
-            reason = self._stop_reason(req, token, tracked.detok, tracked.repetition)
-            if reason is not None:
-                self.scheduler.finish(req, reason)
+            self._emit(tracked, token, logprob, now)
             outputs.append(self._output(tracked))
+        for req, rows in verifying:
+            outputs.append(self._verify(req, rows, now))
         return outputs
+
+    def _verify(self, req: Request, rows: torch.Tensor, now: float) -> RequestOutput:
+        """Emit what a speculating request's rows accept; its KV then covers only the accepted drafts."""
+        assert self.spec is not None
+        tracked = self._tracked[req.request_id]
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        before = req.num_tokens
+        accepted = verify(req, rows, drafts, lambda token, logprob: self._emit(tracked, token, logprob, now))
+        self.spec.record(req, len(drafts), accepted, req.num_tokens - before)
+        if not req.finished:
+            # The rejected drafts' KV stays in its slots and is overwritten by the next tokens.
+            req.num_computed_tokens += accepted
+            self.blocks.commit(req)
+        return self._output(tracked)
+
+    def _emit(self, tracked: _Tracked, token: int, logprob: TokenLogprob | None, now: float) -> bool:
+        """Append one generated token and apply the stop conditions; True when the request finished."""
+        req = tracked.req
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.stats["prompt_tokens"] += req.num_prompt_tokens
+        req.token_ids.append(token)
+        self.stats["generation_tokens"] += 1
+        if req.grammar is not None and not req.grammar.accept(token):
+            # Masking makes this impossible; if it happens anyway, fail loudly rather than emit bad output.
+            log.error("%s: token %d is not allowed by its grammar", req.request_id, token)
+            self.scheduler.finish(req, "error")
+            return True
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        tracked.detok.add(token)
+        reason = self._stop_reason(req, token, tracked.detok, tracked.repetition)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            return True
+        return False
 
     def _stop_reason(self, req: Request, token: int, detok: Detokenizer,
                      repetition: RepetitionDetector | None = None) -> str | None:
         p = req.params
+        if req.grammar is not None and req.grammar.terminated:
+            return "stop"  # the grammar is complete and accepted a stop token: nothing may follow
         # The detector sees every token (its state is the tail), but like a stop it acts after min_tokens.
         looped = repetition is not None and repetition.add(token, detok.text) is not None
         if req.num_output_tokens >= p.min_tokens:

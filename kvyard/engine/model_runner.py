@@ -1,6 +1,6 @@
 """Turns a scheduled batch into the flat tensors one forward pass needs, and runs it."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -8,6 +8,7 @@ from kvyard.engine.request import Request
 from kvyard.engine.scheduler import ScheduledBatch
 from kvyard.models.attention import AttentionMetadata, PrefillSpan, causal_context_mask
 from kvyard.models.decoder import DecoderModel
+from kvyard.models.kv_layer import LayerKV
 
 
 @dataclass
@@ -17,10 +18,12 @@ class StepInput:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampled: list[Request]  # the requests whose logits rows come back, in row order
+    # Logits rows of each sampled request: 1, or 1 + its drafts when it verifies speculative tokens.
+    num_rows: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int):
+    def __init__(self, model: DecoderModel, kv_caches: list[LayerKV], block_size: int):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -39,19 +42,25 @@ class ModelRunner:
         slots: list[int] = []
         logits_rows: list[int] = []
         sampled: list[Request] = []
+        num_rows: list[int] = []
         decodes = [r for r, n in pairs if n == 1]
         prefills: list[PrefillSpan] = []
         for req, n in pairs:
             start = req.num_computed_tokens
             row = len(ids)
-            ids.extend(req.token_ids[start : start + n])
+            # Drafts to verify follow the request's last token: a short chunk over its cached context,
+            # so it takes the prefill path (context slots + causal mask) and gets a row per position.
+            k = len(req.spec_token_ids)
+            tokens = req.token_ids + req.spec_token_ids if k else req.token_ids
+            ids.extend(tokens[start : start + n])
             pos.extend(range(start, start + n))
             slots.extend(self._slots(req, start, start + n))
             if n > 1:
                 prefills.append(self._prefill_span(req, row, n))
-            if start + n == req.num_tokens:
-                logits_rows.append(row + n - 1)
+            if start + n == len(tokens):
+                logits_rows.extend(range(row + n - 1 - k, row + n))
                 sampled.append(req)
+                num_rows.append(k + 1)
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), block_size=self.block_size,
                                  prefills=prefills)
@@ -63,6 +72,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.tensor(logits_rows, device=dev, dtype=torch.long),
             sampled=sampled,
+            num_rows=num_rows,
         )
 
     def _prefill_span(self, req: Request, row: int, n: int) -> PrefillSpan:

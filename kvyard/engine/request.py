@@ -3,11 +3,15 @@
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvyard.outputs import TokenLogprob
 from kvyard.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvyard.structured.matcher import GrammarState
 
 
 class Status(enum.Enum):
@@ -38,6 +42,9 @@ class Request:
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    grammar: "GrammarState | None" = None  # set when params.structured_output constrains the output
+    # Drafted tokens to verify this step (kvyard/spec/); never part of token_ids until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -1,8 +1,9 @@
 """Batched sampling where every row carries its own parameters.
 
 Order of operations: raw logprobs (reported as the model's own distribution), then penalties, the
-min_tokens mask, and finally greedy argmax or temperature/top-k/top-p/min-p sampling. Random rows draw
-from their request's own generator, so a seed reproduces the same tokens whatever the batch.
+min_tokens mask, the grammar bitmask of constrained rows (kvyard/structured/bitmask.py), and finally
+greedy argmax or temperature/top-k/top-p/min-p sampling. Random rows draw from their request's own
+generator, so a seed reproduces the same tokens whatever the batch.
 """
 
 from dataclasses import dataclass
@@ -63,7 +64,8 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
 
 def apply_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> None:
     for i, r in enumerate(reqs):
-        if r.num_output_tokens < r.params.min_tokens:
+        # A grammar decides alone when its output may end: banning its stop token could leave nothing allowed.
+        if r.num_output_tokens < r.params.min_tokens and r.grammar is None:
             banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(r.eos_token_ids))
             if banned:
                 logits[i, banned] = float("-inf")
@@ -99,8 +101,7 @@ def filter_logits(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
     logprob_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
     raw_logprobs = logits[logprob_rows].log_softmax(-1) if logprob_rows else None
-    apply_penalties(logits, reqs)
-    apply_min_tokens(logits, reqs)
+    process_logits(logits, reqs)
     tokens = fast_argmax(logits)
     random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if random_rows:
@@ -114,12 +115,28 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
     token_list = tokens.tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(reqs)
     for j, i in enumerate(logprob_rows):
-        row = raw_logprobs[j]
-        n = reqs[i].params.logprobs
-        top_vals, top_ids = row.topk(n) if n else (row[:0], row[:0].long())
-        logprobs[i] = TokenLogprob(
-            token_id=token_list[i],
-            logprob=float(row[token_list[i]]),
-            top=dict(zip(top_ids.tolist(), top_vals.tolist(), strict=True)),
-        )
+        logprobs[i] = token_logprob(raw_logprobs[j], token_list[i], reqs[i].params.logprobs or 0)
     return SampleResult(token_list, logprobs)
+
+
+def process_logits(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """Everything between the model's logits and the choice, in place: penalties, min_tokens, grammar.
+
+    Speculative verification (kvyard/spec/verify.py) runs this too, on each verified position's row.
+    """
+    apply_penalties(logits, reqs)
+    apply_min_tokens(logits, reqs)
+    if any(r.grammar is not None for r in reqs):
+        from kvyard.structured.bitmask import apply_grammar_bitmask  # lazily: xgrammar only when used
+
+        apply_grammar_bitmask(logits, [r.grammar for r in reqs])
+
+
+def token_logprob(row: torch.Tensor, token: int, n: int) -> TokenLogprob:
+    """The chosen token's logprob and the top-n alternatives, from one row of raw logprobs."""
+    top_vals, top_ids = row.topk(n) if n else (row[:0], row[:0].long())
+    return TokenLogprob(
+        token_id=token,
+        logprob=float(row[token]),
+        top=dict(zip(top_ids.tolist(), top_vals.tolist(), strict=True)),
+    )

@@ -58,7 +58,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            missing = req.num_tokens - req.num_computed_tokens
+            # A speculating request also verifies its drafts; drafts beyond the budget are dropped.
+            n = min(missing + len(req.spec_token_ids), budget)
+            req.spec_token_ids = req.spec_token_ids[: max(0, n - missing)]
             if not self._make_room(req, req.num_computed_tokens + n, batch):
                 continue  # req itself was preempted; the list shrank
             self.blocks.grow(req, req.num_computed_tokens + n)
@@ -99,6 +102,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.blocks.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

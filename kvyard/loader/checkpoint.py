@@ -9,8 +9,9 @@ import torch
 
 from kvyard.errors import CheckpointError
 from kvyard.models.config import ModelConfig
+from kvyard.quant.qtensor import QuantizedTensor
 
-TensorStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+TensorStream = Callable[[], Iterator[tuple[str, torch.Tensor | QuantizedTensor]]]
 
 
 @dataclass
@@ -19,7 +20,8 @@ class Checkpoint:
     hf_config: dict[str, Any]  # shaped like an HF config.json, whatever the source format
     config: ModelConfig
     tokenizer: Any  # a transformers PreTrainedTokenizerFast
-    # Yields (HF parameter name, tensor) lazily so that only one tensor is dequantized at a time.
+    # Yields (HF parameter name, tensor) lazily so that only one tensor is dequantized at a time;
+    # a quantized checkpoint yields its low-bit layers as QuantizedTensor.
     tensors: TensorStream
 
 

@@ -151,15 +151,36 @@ def load_hf_dir(path: str | Path) -> Checkpoint:
             f"{root / 'config.json'}: {architecture_name(hf_config)} with mlp_bias=true is not supported"
         )
     locations = tensor_locations(safetensors_files(root))
-    check_tensor_names(locations, config, str(root), architecture_name(hf_config))
-    tokenizer = load_hf_tokenizer(root)
     # Only the names the model consumes: a tied checkpoint may still store lm_head.weight, and old
     # llama ones store rotary_emb.inv_freq buffers; neither must reach the model.
     wanted = set(expected_tensor_names(config))
+    if "quantization_config" in hf_config:
+        return _quantized_checkpoint(root, hf_config, config, locations, wanted)
+    check_tensor_names(locations, config, str(root), architecture_name(hf_config))
     return Checkpoint(
         path=root,
         hf_config=hf_config,
         config=config,
-        tokenizer=tokenizer,
+        tokenizer=load_hf_tokenizer(root),
         tensors=lambda: _stream(locations, wanted),
+    )
+
+
+def _quantized_checkpoint(root: Path, hf_config: dict[str, Any], config: ModelConfig,
+                          locations: dict[str, Path], wanted: set[str]) -> Checkpoint:
+    from kvyard.loader.quantized import quantized_stream, read_plan
+
+    plan = read_plan(hf_config, config, str(root / "config.json"))
+    dense = wanted - {name + ".weight" for name in plan}
+    missing = sorted(n for n in dense if n not in locations)
+    missing += sorted(n + ".weight_scale" for n in plan if n + ".weight_scale" not in locations)
+    if missing:
+        raise CheckpointError(f"{root}: quantized {architecture_name(hf_config)} checkpoint is missing tensor(s): "
+                              + ", ".join(missing[:8]))
+    return Checkpoint(
+        path=root,
+        hf_config=hf_config,
+        config=config,
+        tokenizer=load_hf_tokenizer(root),
+        tensors=lambda: quantized_stream(locations, dense, plan, str(root)),
     )

@@ -1,6 +1,6 @@
 """Attention over a paged KV cache: gather the context's slots, then one SDPA call per group.
 
-The KV cache of a layer is a flat tensor of slots `[num_blocks * block_size, kv_heads, head_dim]`; a
+The KV cache of a layer (LayerKV) holds flat slots `[num_blocks * block_size, kv_heads, head_dim]`; a
 request's block table maps its positions to slots. A step's tokens are laid out decodes first (one
 query each, batched into a single SDPA call), then prefill chunks (one causal SDPA call each).
 """
@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kvyard.models.kv_layer import LayerKV
 
 
 @dataclass
@@ -42,12 +44,10 @@ def paged_attention(
     q: torch.Tensor,  # [tokens, heads, head_dim]
     k: torch.Tensor,  # [tokens, kv_heads, head_dim] (new tokens only)
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerKV,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    cache.write(meta.slot_mapping, k, v)
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     out = torch.empty_like(q)
@@ -57,11 +57,8 @@ def paged_attention(
         # "query rows", so SDPA needs no repeated K/V.
         group = heads // kv_heads
         qd = q[:nd].view(nd, kv_heads, group, head_dim)
-        # Whole blocks are gathered: fewer, larger copies than slot by slot.
-        blocks = meta.decode_blocks.view(-1)
         width = meta.decode_blocks.shape[1] * meta.block_size
-        kd = k_cache.view(-1, meta.block_size * kv_heads, head_dim).index_select(0, blocks)
-        vd = v_cache.view(-1, meta.block_size * kv_heads, head_dim).index_select(0, blocks)
+        kd, vd = cache.read_blocks(meta.decode_blocks.view(-1), meta.block_size, q.dtype)
         kd, vd = kd.view(nd, width, kv_heads, head_dim), vd.view(nd, width, kv_heads, head_dim)
         od = F.scaled_dot_product_attention(
             qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask
@@ -72,8 +69,7 @@ def paged_attention(
         if span.context_slots is None:
             ks, vs, mask, causal = k[span.start : span.end], v[span.start : span.end], None, True
         else:
-            ks = k_cache.index_select(0, span.context_slots)
-            vs = v_cache.index_select(0, span.context_slots)
+            ks, vs = cache.read_slots(span.context_slots, q.dtype)
             mask, causal = span.mask, False
         os_ = F.scaled_dot_product_attention(
             qs,

@@ -15,6 +15,7 @@ from kvyard.server.config import ServerSettings
 from kvyard.server.context import ServerContext
 from kvyard.server.errors import InternalErrorMiddleware, install_error_handlers
 from kvyard.server.guards import GuardMiddleware
+from kvyard.server.kv_routes import install_kv_routes
 from kvyard.server.openapi import install_openapi
 from kvyard.server.protocol import ModelCard, ModelList
 
@@ -43,6 +44,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, ctx)
+
+    install_kv_routes(app, engine, settings, ctx.model_name)  # /kv/config, /kv/snapshot, event publisher
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -29,11 +29,12 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvyard.config import EngineConfig
+from kvyard.engine.kv_events import KVEvent
 from kvyard.engine.llm_engine import LLMEngine
 from kvyard.errors import EngineDeadError, KvyardError
 from kvyard.outputs import RequestOutput
@@ -72,6 +73,12 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_open_requests: int = 0  # accepted requests whose final output has not been delivered yet
+    # Speculative decoding (kvyard/spec/stats.py); all zero when it is off.
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0
+    spec_emitted_tokens: int = 0
+    spec_drafter_seconds: float = 0.0
 
 
 @dataclass
@@ -104,6 +111,13 @@ class _Stop:
     pass
 
 
+@dataclass
+class _EnableKVEvents:
+    # Called on the engine thread with each step's KV events; must only enqueue (kvyard/server/kv_events.py).
+    sink: Callable[[list[KVEvent]], None]
+    done: "concurrent.futures.Future[set[bytes]]"
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self._engine = engine
@@ -112,7 +126,10 @@ class AsyncEngine:
         self.model_config = engine.model_config
         self.max_model_len = engine.max_model_len
         self.model_name = engine.cfg.model
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self.block_size = engine.cfg.block_size
+        self.enable_prefix_caching = engine.cfg.enable_prefix_caching
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop | _EnableKVEvents] = queue.SimpleQueue()
+        self._kv_sink: Callable[[list[KVEvent]], None] | None = None
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._pending = 0
         self._pending_lock = threading.Lock()
@@ -183,6 +200,13 @@ class AsyncEngine:
             if not finished:
                 self.abort_nowait(request_id)
 
+    def enable_kv_events(self, sink: Callable[[list[KVEvent]], None]) -> "concurrent.futures.Future[set[bytes]]":
+        """From now on hand every step's KV events to `sink` (on the engine thread); the future gives the
+        block hashes cached at that moment, the state the events start from."""
+        done: concurrent.futures.Future[set[bytes]] = concurrent.futures.Future()
+        self._commands.put(_EnableKVEvents(sink, done))
+        return done
+
     def abort_nowait(self, request_id: str) -> None:
         """Abort from anywhere, without awaiting (safe in `finally` blocks of cancelled tasks)."""
         self._commands.put(_Abort(request_id))
@@ -203,6 +227,8 @@ class AsyncEngine:
             while self._take_commands(block=not self._engine.has_unfinished_requests()):
                 if self._engine.has_unfinished_requests():
                     self._step()
+                if self._kv_sink is not None and self._engine.blocks.events:
+                    self._kv_sink(self._engine.blocks.take_events())
                 self._publish_stats()
         except BaseException:  # pragma: no cover - a bug in this loop; fail loudly but cleanly
             log.exception("the engine loop crashed")
@@ -226,6 +252,9 @@ class AsyncEngine:
                 if isinstance(cmd, _Add):
                     added += 1
                     self._add(cmd)
+                elif isinstance(cmd, _EnableKVEvents):
+                    self._kv_sink = cmd.sink
+                    cmd.done.set_result(self._engine.blocks.enable_events())
                 else:
                     self._abort(cmd.request_id)
                 cmd = self._commands.get_nowait()
@@ -312,3 +341,9 @@ class AsyncEngine:
             generation_tokens=stats["generation_tokens"],
             num_open_requests=len(self._sinks),
         )
+        if eng.spec is not None:
+            spec = eng.spec.stats
+            self._stats = dataclasses.replace(
+                self._stats, spec_proposed_tokens=spec.proposed_tokens, spec_accepted_tokens=spec.accepted_tokens,
+                spec_verify_steps=spec.verify_steps, spec_emitted_tokens=spec.emitted_tokens,
+                spec_drafter_seconds=spec.drafter_seconds)

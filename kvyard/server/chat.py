@@ -1,11 +1,17 @@
-"""`POST /v1/chat/completions`: messages through the model's chat template, streamed or not."""
+"""`POST /v1/chat/completions`: messages through the model's chat template, streamed or not.
+
+With `tools`, the conversation is rendered and the calls constrained as kvyard/server/tools.py says, and
+the answer is read back into `tool_calls` (kvyard/server/tools_parser.py). Output constraints
+(`response_format`, ...) are compiled before the request reaches the engine (kvyard/server/structured.py).
+"""
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import Request, Response
 
-from kvyard.errors import PromptTooLongError
+from kvyard.errors import InvalidRequestError, PromptTooLongError
 from kvyard.outputs import RequestOutput
 from kvyard.server.context import ServerContext
 from kvyard.server.errors import APIError
@@ -24,6 +30,10 @@ from kvyard.server.protocol import (
     read_body,
 )
 from kvyard.server.sse import ClientDisconnected, EventStreamResponse, run_until_disconnect, sse
+from kvyard.server.structured import requested_output
+from kvyard.server.tools import ToolPlan
+from kvyard.server.tools_parser import ToolCallStream, message_parts
+from kvyard.structured.spec import StructuredOutput
 
 
 async def create_chat_completion(request: Request, ctx: ServerContext) -> Response:
@@ -33,29 +43,52 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    messages = [m.for_template() for m in body.messages]
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    tools = ToolPlan.from_request(body, ctx.engine.tokenizer.chat_template)
+    constraint = requested_output(body)
+    if tools.active and constraint is not None:
+        raise InvalidRequestError(
+            "an output constraint cannot be combined with tools unless tool_choice is none", param=constraint.param
+        )
+    messages = tools.render([m.for_template() for m in body.messages])
     with ctx.admission.admit():
-        prompt = await ctx.tokenizer.chat(messages, tools)
+        constraint = await _compile(ctx, tools, constraint)
+        prompt = await ctx.tokenizer.chat(messages, tools.template_tools())
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
             # OpenAI's default: as much as the context allows (the engine stops at the context limit).
             max_tokens = max(1, ctx.engine.max_model_len - len(prompt))
         guard = guard_for(ctx, body)
         params = sampling_params(body, max_tokens, logprobs, ctx.engine.model_config.vocab_size, guard)
+        if constraint is not None:
+            params = replace(params, structured_output=constraint)
         run = EngineRun(ctx, new_id("chatcmpl"), arrival, guard, streaming=bool(body.stream))
         try:
             await run.start([prompt], params)
         except PromptTooLongError as e:
             raise PromptTooLongError(str(e), param="messages") from None  # a chat request has no `prompt`
     if body.stream:
-        return EventStreamResponse(_stream(ctx, run, model, body), on_close=run.close)
+        return EventStreamResponse(_stream(ctx, run, model, body, tools.active), on_close=run.close)
     try:
         with run.closing():
-            response = await run_until_disconnect(request, _collect(ctx, run, model, logprobs is not None))
+            response = await run_until_disconnect(request, _collect(ctx, run, model, logprobs is not None,
+                                                                    tools.active))
     except ClientDisconnected:
         return Response(status_code=499)  # nobody is listening; the engine requests are already aborted
     return Response(response.model_dump_json(), media_type="application/json")
+
+
+async def _compile(ctx: ServerContext, tools: ToolPlan,
+                   constraint: StructuredOutput | None) -> StructuredOutput | None:
+    """The request's grammar, compiled; each tool's parameters are checked alone so a 400 names the tool."""
+    if not tools.active:
+        return await ctx.grammars.compile(constraint)
+    for param, schema in tools.parameter_schemas():
+        await ctx.grammars.compile(StructuredOutput.json_schema(schema, param=param))
+    return await ctx.grammars.compile(tools.constraint())
+
+
+def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    return "tool_calls" if has_calls and reason == "stop" else reason
 
 
 async def _logprobs(ctx: ServerContext, out: RequestOutput, first: int) -> ChatLogprobs:
@@ -63,28 +96,32 @@ async def _logprobs(ctx: ServerContext, out: RequestOutput, first: int) -> ChatL
     return await chat_logprobs(ctx.tokenizer, (c.logprobs or [])[first : len(c.token_ids)])
 
 
-async def _collect(ctx: ServerContext, run: EngineRun, model: str, want_logprobs: bool) -> ChatCompletionResponse:
+async def _collect(ctx: ServerContext, run: EngineRun, model: str, want_logprobs: bool,
+                   with_tools: bool) -> ChatCompletionResponse:
     finals: dict[int, RequestOutput] = {}
     async for choice, out in run.outputs():
         if out.finished:
             finals[choice.index] = out
-    choices = [
-        ChatChoice(
+    choices = []
+    for i, out in sorted(finals.items()):
+        c = out.outputs[0]
+        content, calls = message_parts(c.text) if with_tools else (c.text, None)
+        choices.append(ChatChoice(
             index=i,
-            message=AssistantMessage(content=out.outputs[0].text),
+            message=AssistantMessage(content=content, tool_calls=calls),
             logprobs=await _logprobs(ctx, out, 0) if want_logprobs else None,
-            finish_reason=out.outputs[0].finish_reason,
-        )
-        for i, out in sorted(finals.items())
-    ]
+            finish_reason=_finish_reason(c.finish_reason, bool(calls)),
+        ))
     return ChatCompletionResponse(id=run.request_id, created=int(time.time()), model=model, choices=choices,
                                   usage=Usage(**run.usage()))
 
 
-def _stream(ctx: ServerContext, run: EngineRun, model: str, body: ChatCompletionRequest) -> AsyncIterator[str]:
+def _stream(ctx: ServerContext, run: EngineRun, model: str, body: ChatCompletionRequest,
+            with_tools: bool) -> AsyncIterator[str]:
     created = int(time.time())
     want_logprobs = bool(body.logprobs)
     sent_tokens: dict[int, int] = {}
+    tool_streams: dict[int, ToolCallStream] = {}
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return sse(ChatCompletionChunk(id=run.request_id, created=created, model=model, choices=choices,
@@ -104,6 +141,14 @@ def _stream(ctx: ServerContext, run: EngineRun, model: str, body: ChatCompletion
                 sent_tokens[choice.index] = len(c.token_ids)
             delta = ChatDelta(content=c.delta_text) if c.delta_text else ChatDelta()
             finish = c.finish_reason if out.finished else None
+            if with_tools:
+                calls = tool_streams.setdefault(choice.index, ToolCallStream())
+                content, call_deltas = calls.update(c.text, out.finished)
+                delta = ChatDelta(content=content or None, tool_calls=call_deltas or None)
+                if finish is not None:
+                    finish = _finish_reason(finish, calls.num_complete > 0)
+                elif not (content or call_deltas or (want_logprobs and c.delta_token_ids)):
+                    continue  # held back: it may be the start of a tool call
             yield chunk([ChatChunkChoice(index=choice.index, delta=delta, logprobs=lps, finish_reason=finish)])
 
     usage = (lambda: chunk([], Usage(**run.usage()))) if body.include_usage else None

@@ -2,6 +2,7 @@
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import Request, Response
 
@@ -28,6 +29,7 @@ from kvyard.server.protocol import (
     read_body,
 )
 from kvyard.server.sse import ClientDisconnected, EventStreamResponse, run_until_disconnect, sse
+from kvyard.server.structured import requested_output
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
@@ -40,7 +42,10 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     guard = guard_for(ctx, body)
     params = sampling_params(body, max_tokens, body.logprobs, ctx.engine.model_config.vocab_size, guard)
+    constraint = requested_output(body)
     with ctx.admission.admit():
+        if constraint is not None:  # compiled here, off the engine thread (kvyard/server/structured.py)
+            params = replace(params, structured_output=await ctx.grammars.compile(constraint))
         prompts = await _prompt_ids(ctx, body.prompt)
         run = EngineRun(ctx, new_id("cmpl"), arrival, guard, streaming=bool(body.stream))
         await run.start(prompts, params)

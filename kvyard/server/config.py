@@ -42,6 +42,8 @@ class ServerSettings:
     # What to do when a generation loops: {action: off|stop|retry, max_retries, min_count, ...}
     # (kvyard/server/repetition.py); requests may override it. A mapping here, a RepetitionGuard after.
     repetition_guard: RepetitionGuard | dict[str, Any] | None = None
+    # Publish KV cache events for a cache-aware router on this ZeroMQ port (0: any free port); None: off.
+    kv_events_port: int | None = None
 
     def __post_init__(self) -> None:
         self.max_body_bytes = parse_bytes(self.max_body_bytes)

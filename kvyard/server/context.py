@@ -8,6 +8,7 @@ from kvyard.server.config import ServerSettings
 from kvyard.server.errors import APIError
 from kvyard.server.guards import Admission, DrainState
 from kvyard.server.metrics import ServerMetrics
+from kvyard.server.structured import GrammarService
 from kvyard.server.tokenization import FrontendTokenizer
 
 
@@ -20,19 +21,22 @@ class ServerContext:
     admission: Admission
     drain: DrainState
     model_name: str
+    grammars: GrammarService
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
     def build(cls, engine: AsyncEngine, settings: ServerSettings) -> "ServerContext":
         metrics = ServerMetrics(engine.stats)
+        tokenizer = FrontendTokenizer(engine.tokenizer)
         return cls(
             engine=engine,
             settings=settings,
             metrics=metrics,
-            tokenizer=FrontendTokenizer(engine.tokenizer),
+            tokenizer=tokenizer,
             admission=Admission(engine, settings.max_queue),
             drain=DrainState(),
             model_name=settings.served_model_name or engine.model_name,
+            grammars=GrammarService(engine, tokenizer),
         )
 
     def check_model(self, name: str | None) -> str:

@@ -39,6 +39,18 @@ class _EngineCollector(Collector):
                                   value=s.prefix_cache_hit_tokens)
         yield GaugeMetricFamily("kvyard_prefix_cache_blocks", "KV blocks registered in the prefix cache",
                                 value=s.num_cached_blocks)
+        # Speculative decoding: acceptance rate = accepted / proposed, mean accepted length per step =
+        # emitted / verify_steps, drafter time per step = rate of drafter seconds / rate of steps.
+        yield CounterMetricFamily("kvyard_spec_proposed_tokens", "Draft tokens verified",
+                                  value=s.spec_proposed_tokens)
+        yield CounterMetricFamily("kvyard_spec_accepted_tokens", "Draft tokens accepted",
+                                  value=s.spec_accepted_tokens)
+        yield CounterMetricFamily("kvyard_spec_verify_steps", "Request steps that verified drafts",
+                                  value=s.spec_verify_steps)
+        yield CounterMetricFamily("kvyard_spec_emitted_tokens", "Tokens emitted by request steps that verified drafts",
+                                  value=s.spec_emitted_tokens)
+        yield CounterMetricFamily("kvyard_spec_drafter_seconds", "Time spent drafting", value=s.spec_drafter_seconds)
+        yield CounterMetricFamily("kvyard_num_steps", "Engine steps", value=s.num_steps)
 
 
 class ServerMetrics:

@@ -2,7 +2,7 @@
 
 Types are strict: `"max_tokens": "5"` or `true` for an integer is a 400, not a silent coercion. Unknown
 fields are accepted and ignored, because OpenAI clients send fields we do not implement (`logit_bias`,
-`tool_choice`, ...). Ranges are left to `SamplingParams.validate`, the one place that defines them, except
+`service_tier`, ...). Ranges are left to `SamplingParams.validate`, the one place that defines them, except
 for what only the server knows (which parameters exist only on one endpoint, bounds of the wire format).
 """
 
@@ -62,6 +62,31 @@ class VLLMRepetitionDetection(OpenAIModel):
     min_count: Count = 0
 
 
+class JSONSchemaFormat(OpenAIModel):
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    # `schema` would shadow a BaseModel attribute; the alias keeps the wire name.
+    json_schema: dict[str, Any] | StrictBool | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsFields(OpenAIModel):
+    """vLLM's `structured_outputs` object: exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | StrictStr | StrictBool | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+
+
 class SamplingFields(OpenAIModel):
     """Fields both endpoints share; None means "not given", so the SamplingParams default applies."""
 
@@ -88,6 +113,14 @@ class SamplingFields(OpenAIModel):
     repetition_detection: VLLMRepetitionDetection | None = None
     # kvyard extension
     repetition_guard: RepetitionGuardFields | None = None
+    # Structured output (kvyard/server/structured.py): OpenAI's response_format, vLLM's guided_* and
+    # structured_outputs. At most one may be set.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | StrictStr | StrictBool | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: StructuredOutputsFields | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -172,12 +205,23 @@ class Tool(OpenAIModel):
     function: FunctionDefinition
 
 
+class NamedFunction(OpenAIModel):
+    name: StrictStr
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: StrictBool | None = False
     top_logprobs: Count | None = None
     tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -243,7 +287,15 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_tool_calls(self, handler: Any):  # unannotated: /openapi.json keeps the fields
+        data = handler(self)
+        if self.tool_calls is None:
+            data.pop("tool_calls", None)  # a plain answer looks as it did before tools existed
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -262,14 +314,35 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """One piece of a streamed tool call: the first carries id, type and name, later ones arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler: Any):  # unannotated: /openapi.json keeps the fields
+        data = handler(self)
+        data["function"] = {k: v for k, v in data["function"].items() if v is not None}
+        return {k: v for k, v in data.items() if v is not None}
+
+
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
-    @model_serializer
-    def _only_set(self) -> dict[str, str]:
-        # Unset fields are left out of a chunk: the first carries the role, later ones only content.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler: Any):  # unannotated: /openapi.json keeps the fields
+        # Unset fields are left out of a chunk: the first carries the role, later ones content or tool calls.
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -23,6 +23,10 @@ class FrontendTokenizer:
     async def _call(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    async def run(self, fn: Any) -> Any:
+        """`fn(tokenizer)` on the tokenizer's thread, for other readers of it (the grammar compiler)."""
+        return await self._call(fn, self._tok)
+
     async def encode(self, text: str) -> list[int]:
         # The same call LLMEngine.tokenize makes, so a text prompt means the same tokens either way.
         return await self._call(lambda: self._tok(text, add_special_tokens=True).input_ids)

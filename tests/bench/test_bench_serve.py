@@ -21,13 +21,16 @@ from kvyard.cli.main import build_parser, main
 from kvyard.server.async_engine import AsyncEngine
 from tests.server.conftest import tiny_engine_config
 from tests.server.harness import running_server
+from tests.tiny import make_tiny_checkpoint
 
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tiny_checkpoint):
-    return tiny_checkpoint("llama")
+def tiny_path(tmp_path_factory):
+    # The tool-call workload puts every tool's JSON schema in the prompt (SmolLM2-style fallback
+    # rendering), which the tiny tokenizer spells out in ~800 tokens: give the model room for it.
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("bench-serve"), "llama", max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="module")

@@ -51,3 +51,19 @@ def make_engine(tiny_path):
     yield make
     for eng in made:
         eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def smol_server(smollm2_engine):
+    """SmolLM2 behind a real HTTP server, for tests that need a model that writes text."""
+    from tests.server.harness import running_server
+
+    with running_server(smollm2_engine, served_model_name="smol") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def smol_client(smol_server):
+    import openai
+
+    return openai.OpenAI(base_url=smol_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -1,0 +1,153 @@
+"""`kvyard bench quant`: each quantization scheme against the unquantized model, in one run.
+
+Fidelity (KL, top-1, perplexity, tool-call JSON) comes from `kvyard quantize` itself; speed is decode
+tokens per second (speedups are against the unquantized model in the same dtype) with the prompt
+already prefilled, at batch 1 and at batch 32, with the models
+taking turns over `--repeats` rounds because this machine is noisy.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvyard.bench.workload import random_workload
+from kvyard.config import EngineConfig, parse_dtype
+from kvyard.llm import LLM
+from kvyard.loader.registry import resolve_model
+from kvyard.quant.tool import QuantizeOptions, QuantizeResult, kv_cache_fidelity, quantize_model
+from kvyard.sampling_params import SamplingParams
+
+KV_INT8 = "kv-int8"  # not a weight scheme: dense weights with the int8 KV cache
+
+
+def add_quant_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quant", help="quantization schemes vs bf16: KL, top-1, memory, decode speed")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--schemes", default="int8,int4-g128", help="comma list of weight schemes (mixed needs --kl-budget), and kv-int8 for the int8 KV cache")
+    p.add_argument("--kl-budget", type=float, default=None, help="budget for the mixed plan")
+    p.add_argument("--mixed-weight", default="int4-g128")
+    p.add_argument("--batch-sizes", default="1,32")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per measurement")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out-dir", default=None, help="keep the quantized checkpoints here (default: a temp dir)")
+    p.add_argument("--json-out", default=None)
+    p.set_defaults(func=run_quant_bench)
+
+
+def weight_bytes(llm: LLM) -> int:
+    """Bytes of every weight the model holds (dense tensors and low-bit layers)."""
+    model = llm.engine.runner.model
+    seen: set[int] = set()
+    total = 0
+    tensors = [model.embed, model.final_norm, model.lm_head]
+    for layer in model.layers:
+        tensors += list(vars(layer).values())
+    for t in tensors:
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.nbytes  # a tensor, or a low-bit layer reporting its packed bytes
+    return total
+
+
+def kv_bytes_per_token(llm: LLM) -> int:
+    caches = llm.engine.runner.kv_caches
+    return sum(c.nbytes for c in caches) // caches[0].k.shape[0]
+
+
+def decode_rate(llm: LLM, batch: int, input_len: int, steps: int) -> float:
+    """Decode tokens per second of `batch` running requests, measured after all prompts are prefilled."""
+    eng = llm.engine
+    work = random_workload(llm.tokenizer, batch, input_len, 1, seed=batch)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    ids = [eng.add_request(p, params) for p in work.prompts]
+    while any(eng._tracked[i].req.num_output_tokens == 0 for i in ids):
+        eng.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    rate = batch * steps / (time.perf_counter() - start)
+    for i in ids:
+        eng.abort_request(i)
+    eng.step()  # report the aborts, free the blocks
+    return rate
+
+
+def _fidelity_row(r: QuantizeResult) -> dict:
+    f = r.fidelity
+    row = {"kl_mean": f.kl_mean, "kl_p99": f.kl_p99, "top1_agreement": f.top1_agreement,
+           "ppl_change": f.ppl_change, "quantized_params": r.quantized_params,
+           "tool_json_full": r.tool_json.get("full"), "tool_json_quant": r.tool_json.get("quant")}
+    if r.naive and r.searched:
+        row.update(naive_params=r.naive.params, naive_kl=r.naive.fidelity.kl_mean if r.naive.fidelity else None,
+                   searched_params=r.searched.params, searched_kl=r.searched.fidelity.kl_mean if r.searched.fidelity else None,
+                   searched_vs_naive_params=r.searched.params / max(r.naive.params, 1),
+                   evaluations=r.searched.evaluations)
+    return row
+
+
+def run_quant_bench(args: argparse.Namespace) -> int:
+    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    model_path = resolve_model(args.model)
+    out_root = Path(args.out_dir or tempfile.mkdtemp(prefix="kvyard-quant-"))
+    fidelity: dict[str, dict] = {}
+    base = str(parse_dtype(args.dtype)).removeprefix("torch.")  # the unquantized model, e.g. bfloat16
+    paths: dict[str, str] = {base: str(model_path)}
+    kv_dtypes = {base: "auto"}
+    for scheme in schemes:
+        t0 = time.perf_counter()
+        kv_dtypes[scheme] = "int8" if scheme == KV_INT8 else "auto"
+        if scheme == KV_INT8:  # dense weights, int8 KV cache
+            f = kv_cache_fidelity(QuantizeOptions(model=str(model_path), scheme="int8", dtype=args.dtype))
+            fidelity[scheme] = {"kl_mean": f.kl_mean, "kl_p99": f.kl_p99, "top1_agreement": f.top1_agreement,
+                                "ppl_change": f.ppl_change}
+            paths[scheme] = str(model_path)
+            continue
+        r = quantize_model(QuantizeOptions(model=str(model_path), scheme=scheme, out=out_root / scheme,
+                                           kl_budget=args.kl_budget, mixed_weight=args.mixed_weight,
+                                           dtype=args.dtype, sensitivity=scheme == "mixed"))
+        fidelity[scheme] = {**_fidelity_row(r), "quantize_s": time.perf_counter() - t0}
+        paths[scheme] = str(out_root / scheme)
+        print(f"{scheme}: {json.dumps(fidelity[scheme])}", file=sys.stderr)
+    engines = {name: LLM(config=EngineConfig(model=p, dtype=args.dtype, kv_cache_memory="1GiB",
+                                             kv_cache_dtype=kv_dtypes[name]))
+               for name, p in paths.items()}
+    rounds = []
+    for r in range(args.repeats):
+        row = {f"{name}.b{b}": decode_rate(llm, b, args.input_len, args.decode_steps)
+               for b in batches for name, llm in engines.items()}
+        print(f"round {r + 1}: " + ", ".join(f"{k}={v:.1f}" for k, v in row.items()), file=sys.stderr)
+        rounds.append(row)
+    med = {k: statistics.median(rd[k] for rd in rounds) for k in rounds[0]}
+    table = {}
+    for name, llm in engines.items():
+        entry = {"weight_bytes": weight_bytes(llm), "kv_bytes_per_token": kv_bytes_per_token(llm),
+                 **fidelity.get(name, {})}
+        for b in batches:
+            entry[f"decode_tok_s_b{b}"] = med[f"{name}.b{b}"]
+            if name != base:
+                entry[f"speedup_b{b}"] = med[f"{name}.b{b}"] / med[f"{base}.b{b}"]
+                entry[f"speedup_b{b}_per_round"] = [round(rd[f"{name}.b{b}"] / rd[f"{base}.b{b}"], 3) for rd in rounds]
+        table[name] = entry
+    result = {
+        "model": model_path.name, "dtype": args.dtype, "baseline": base, "machine": {"cpu_threads": torch.get_num_threads(),
+                                                                    "platform": platform.platform()},
+        "workload": {"input_len": args.input_len, "decode_steps": args.decode_steps, "batch_sizes": batches,
+                     "repeats": args.repeats},
+        "schemes": table, "rounds": rounds, "checkpoints": str(out_root),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json_out:
+        Path(args.json_out).write_text(text + "\n")
+    return 0

@@ -1,0 +1,132 @@
+"""`kvyard route` (the cache-aware router in front of running workers) and `kvyard up` (workers + router)."""
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvyard.router.config import POLICIES
+
+# RouterSettings fields that are flags of both commands: (name, type, help)
+_ROUTER_FLAGS: list[tuple[str, type, str]] = [
+    ("host", str, "address to listen on (default 127.0.0.1)"),
+    ("block_size", int, "KV block size of the workers (default: the first worker's)"),
+    ("prefill_weight", float, "kv policy: cost per uncached prompt block (default 1.0)"),
+    ("load_weight", float, "kv policy: cost per block of requests in flight on the worker (default 0.5)"),
+    (
+        "temperature",
+        float,
+        "kv policy: softmax temperature over normalised costs; 0 picks the cheapest (default)",
+    ),
+    ("hot_spot_factor", float, "skip workers above factor x mean requests in flight (+ slack) (default 1.5)"),
+    ("hot_spot_slack", float, "requests allowed above the hot-spot limit (default 1)"),
+    ("predicted_ttl", float, "seconds an assignment counts as cached before events confirm it (default 10)"),
+    ("health_interval", float, "seconds between health checks (default 1)"),
+    ("max_attempts", int, "workers a request is tried on when one fails before any byte (default 3)"),
+    ("seed", int, "seed of the random choices"),
+    ("log_level", str, "log level (default info)"),
+]
+
+
+def _add_router_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", choices=POLICIES, default="kv")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="the model the workers serve: the router hashes prompts with its tokenizer",
+    )
+    for name, kind, help_text in _ROUTER_FLAGS:
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
+
+
+def add_route_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    route = sub.add_parser(
+        "route", help="OpenAI-compatible router over kvyard workers (cache-aware placement)"
+    )
+    route.add_argument(
+        "--worker", action="append", default=[], metavar="URL", help="a worker; repeat for more"
+    )
+    route.add_argument("--port", type=int, default=8000)
+    _add_router_flags(route)
+    route.set_defaults(func=cmd_route)
+
+    up = sub.add_parser("up", help="start N `kvyard serve` workers and the router in one command")
+    up.add_argument("--replicas", type=int, default=2)
+    up.add_argument("--router-port", type=int, default=8000)
+    up.add_argument(
+        "--worker-port", type=int, default=None, help="first worker's port (default: router port + 1)"
+    )
+    up.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="also route to this already running worker (e.g. on another machine)",
+    )
+    up.add_argument(
+        "--num-threads", type=int, default=None, help="torch threads per worker (default: cores / N)"
+    )
+    up.add_argument(
+        "--serve-args", default=None, help='more `kvyard serve` flags for each worker, e.g. "--dtype float32"'
+    )
+    up.add_argument("--log-dir", default=None, help="write worker logs here instead of the terminal")
+    _add_router_flags(up)
+    up.set_defaults(func=cmd_up)
+
+
+def router_settings(args: argparse.Namespace, workers: list[str], port: int) -> Any:
+    from kvyard.router.config import RouterSettings
+
+    given = {n: getattr(args, n) for n, _, _ in _ROUTER_FLAGS if getattr(args, n) is not None}
+    return RouterSettings(workers=workers, model=args.model, policy=args.policy, port=port, **given)
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    from kvyard.router.server import serve_router
+
+    if not args.worker:
+        print("kvyard route: error: give at least one --worker URL", file=sys.stderr)
+        return 2
+    settings = router_settings(args, args.worker, args.port)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    serve_router(settings)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from kvyard.router.launcher import Cluster, ClusterSpec, split_args
+    from kvyard.router.server import serve_router
+
+    if args.replicas < 1:
+        print("kvyard up: error: --replicas must be >= 1", file=sys.stderr)
+        return 2
+    spec = ClusterSpec(
+        replicas=args.replicas,
+        model=args.model,
+        worker_port=args.worker_port or args.router_port + 1,
+        host=args.host or "127.0.0.1",
+        num_threads=args.num_threads,
+        serve_args=split_args(args.serve_args),
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+    )
+    if spec.log_dir:
+        spec.log_dir.mkdir(parents=True, exist_ok=True)
+    settings = router_settings(args, spec.worker_urls() + args.worker, args.router_port)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    cluster = Cluster(spec)
+    # SIGTERM before uvicorn installs its handlers (while workers start) must still stop the workers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        urls = cluster.start_workers()
+        logging.getLogger("kvyard.up").info(
+            "workers %s (%d threads each); router on port %d",
+            ", ".join(urls),
+            spec.threads(),
+            args.router_port,
+        )
+        serve_router(settings)  # until Ctrl-C / SIGTERM
+    finally:
+        cluster.stop()
+    return 0

@@ -1,0 +1,60 @@
+"""Quantization schemes by name: `int8`, `int4-g128`, `int4-g64-asym`, and `mixed`."""
+
+import re
+from dataclasses import dataclass
+
+from kvyard.errors import ConfigError
+
+INT4_GROUP_SIZES = (32, 64, 128)
+SCHEME_HELP = "int8, int4-g32|g64|g128 (add -asym for a zero point), or mixed"
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """How one linear layer's weight is stored: int8 per output channel, or int4 per group along K."""
+
+    bits: int
+    group_size: int | None = None  # None: one scale per output channel
+    symmetric: bool = True
+
+    @property
+    def name(self) -> str:
+        if self.bits == 8:
+            return "int8"
+        return f"int4-g{self.group_size}" + ("" if self.symmetric else "-asym")
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.bits - 1)) + (1 if self.bits == 8 else 0)  # int8 is kept symmetric: -127..127
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+
+def parse_weight_scheme(name: str) -> WeightScheme:
+    """`int8` or `int4-g<32|64|128>[-asym]`; anything else is a ConfigError that lists the choices."""
+    if name == "int8":
+        return WeightScheme(bits=8)
+    m = re.fullmatch(r"int4-g(\d+)(-asym|-sym)?", name)
+    if not m:
+        raise ConfigError(f"unknown quantization scheme {name!r}; choose {SCHEME_HELP}", param="scheme")
+    group = int(m.group(1))
+    if group not in INT4_GROUP_SIZES:
+        raise ConfigError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group}", param="scheme")
+    return WeightScheme(bits=4, group_size=group, symmetric=m.group(2) != "-asym")
+
+
+@dataclass(frozen=True)
+class QuantRequest:
+    """What `kvyard quantize --scheme` asks for: one scheme everywhere, or a searched mixed plan."""
+
+    scheme: str  # as typed
+    weight: WeightScheme  # the low-bit format; for `mixed`, the one chosen layers get
+    mixed: bool
+
+
+def parse_quant_request(scheme: str, mixed_weight: str = "int4-g128") -> QuantRequest:
+    if scheme == "mixed":
+        return QuantRequest(scheme, parse_weight_scheme(mixed_weight), mixed=True)
+    return QuantRequest(scheme, parse_weight_scheme(scheme), mixed=False)

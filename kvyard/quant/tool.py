@@ -1,0 +1,191 @@
+"""`kvyard quantize`: quantize a checkpoint, measure its fidelity, and write a directory kvyard serves."""
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from kvyard.config import parse_dtype
+from kvyard.errors import ConfigError
+from kvyard.loader.checkpoint import Checkpoint, load_checkpoint
+from kvyard.loader.registry import resolve_model
+from kvyard.models.decoder import DecoderModel
+from kvyard.quant.calib import DEFAULT_TEXT, Calibration, build_calibration, read_calib_file, valid_tool_call
+from kvyard.quant.fidelity import Fidelity, FidelityMeter
+from kvyard.quant.plan import (
+    DEFAULT_PROTECT,
+    Plan,
+    Unit,
+    is_protected,
+    linear_units,
+    plan_for_units,
+    plan_to_config,
+)
+from kvyard.quant.qtensor import QuantizedTensor
+from kvyard.quant.scheme import QuantRequest, parse_quant_request
+from kvyard.quant.search import PlanSearch, SearchResult, UnitSwitch, naive_order, searched_plan
+
+
+@dataclass
+class QuantizeOptions:
+    model: str
+    scheme: str
+    out: Path | None = None
+    calib: str | None = None
+    kl_budget: float | None = None
+    protect: tuple[str, ...] = DEFAULT_PROTECT
+    mixed_weight: str = "int4-g128"  # the low-bit format `mixed` gives the layers it picks
+    dtype: str = "bfloat16"  # compute dtype of both models while measuring
+    max_seq_len: int = 256
+    sensitivity: bool = True  # per-layer sensitivity (always on for `mixed`)
+    tool_eval: bool = True  # generate tool calls with both models and count valid JSON
+    progress: bool = True
+
+
+@dataclass
+class QuantizeResult:
+    request: QuantRequest
+    plan: Plan
+    units: list[Unit]
+    chosen: list[str]
+    fidelity: Fidelity
+    sensitivity: dict[str, Fidelity] = field(default_factory=dict)
+    naive: SearchResult | None = None
+    searched: SearchResult | None = None
+    tool_json: dict[str, float] = field(default_factory=dict)
+    out: Path | None = None
+    dtype: str = "bfloat16"
+
+    @property
+    def quantized_params(self) -> int:
+        names = set(self.chosen)
+        return sum(u.params for u in self.units if u.name in names)
+
+
+def check_options(opts: QuantizeOptions) -> QuantRequest:
+    req = parse_quant_request(opts.scheme, opts.mixed_weight)
+    if req.mixed and opts.kl_budget is None:
+        raise ConfigError("--scheme mixed needs --kl-budget (the largest mean KL the plan may reach)", param="kl_budget")
+    if opts.kl_budget is not None and not opts.kl_budget > 0:
+        raise ConfigError(f"--kl-budget must be a positive number, got {opts.kl_budget}", param="kl_budget")
+    return req
+
+
+def _source_weight(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    # A tied model's head is its embedding table.
+    return tensors.get(name + ".weight", tensors.get("model.embed_tokens.weight")) if name == "lm_head" \
+        else tensors[name + ".weight"]
+
+
+@dataclass
+class Reference:
+    """The unquantized model, its tensors and the calibration set it is measured on."""
+
+    ckpt: Checkpoint
+    tensors: dict[str, torch.Tensor]
+    calib: Calibration
+    model: DecoderModel
+    meter: FidelityMeter
+
+
+def load_reference(opts: QuantizeOptions) -> Reference:
+    ckpt = load_checkpoint(resolve_model(opts.model))
+    tensors = dict(ckpt.tensors())  # float32, as the checkpoint gives them
+    texts = read_calib_file(opts.calib) if opts.calib else DEFAULT_TEXT
+    calib = build_calibration(ckpt.tokenizer, texts, opts.max_seq_len)
+    model = DecoderModel(ckpt.config, parse_dtype(opts.dtype), torch.device("cpu"), max_positions=opts.max_seq_len + 1)
+    model.load(tensors.items(), str(ckpt.path))
+    return Reference(ckpt, tensors, calib, model, FidelityMeter(model, calib.sequences))
+
+
+def kv_cache_fidelity(opts: QuantizeOptions) -> Fidelity:
+    """The int8 KV cache alone (dense weights), measured like a weight scheme."""
+    ref = load_reference(opts)
+    with torch.inference_mode():
+        return ref.meter.measure(ref.model, kv_int8=True)
+
+
+def quantize_model(opts: QuantizeOptions) -> QuantizeResult:
+    req = check_options(opts)
+    ref = load_reference(opts)
+    ckpt, tensors, calib, model, meter = ref.ckpt, ref.tensors, ref.calib, ref.model, ref.meter
+    units = [u for u in linear_units(ckpt.config) if not is_protected(u, opts.protect)]
+    quantized = {
+        u.name: QuantizedTensor.cat([QuantizedTensor.quantize(_source_weight(tensors, m), req.weight) for m in u.members])
+        for u in units
+    }
+    search = PlanSearch(UnitSwitch(model, quantized, units), meter, opts.kl_budget or float("inf"), opts.progress)
+    result = QuantizeResult(req, {}, units, [], fidelity=None, dtype=opts.dtype)  # type: ignore[arg-type]
+    if opts.sensitivity or req.mixed:
+        result.sensitivity = search.sensitivities()
+    if req.mixed:
+        result.naive = search.greedy(naive_order(result.sensitivity), stop_at_first_miss=True, desc="naive plan")
+        result.searched = searched_plan(search, result.sensitivity, result.naive)
+        result.chosen = result.searched.chosen
+    else:
+        result.chosen = [u.name for u in units]
+    result.fidelity = search.measure(set(result.chosen))
+    result.plan = plan_for_units([u for u in units if u.name in set(result.chosen)], req.weight)
+    if opts.out is not None:
+        result.out = save_quantized(ckpt, tensors, result, opts.out)
+        if opts.tool_eval:
+            result.tool_json = tool_call_validity(ckpt.path, result.out, calib.tool_prompts)
+    return result
+
+
+def save_quantized(ckpt: Checkpoint, tensors: dict[str, torch.Tensor], result: QuantizeResult, out: Path) -> Path:
+    """safetensors + config.json (compressed-tensors quantization_config) + tokenizer + the plan."""
+    out.mkdir(parents=True, exist_ok=True)
+    state: dict[str, torch.Tensor] = {}
+    dense_dtype = parse_dtype(result.dtype)  # the dtype fidelity was measured in
+    for name, t in tensors.items():
+        if name.removesuffix(".weight") not in result.plan:
+            state[name] = t.to(dense_dtype).contiguous()
+    for layer, scheme in result.plan.items():
+        qt = QuantizedTensor.quantize(_source_weight(tensors, layer), scheme)
+        state.update(qt.to_state_dict(layer + "."))
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    all_linear = [m for u in linear_units(ckpt.config) for m in u.members]
+    config = {**ckpt.hf_config, "torch_dtype": str(dense_dtype).removeprefix("torch."),
+              "quantization_config": plan_to_config(result.plan, all_linear)}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    ckpt.tokenizer.save_pretrained(str(out))
+    (out / "quant_plan.json").write_text(json.dumps(plan_record(result), indent=2))
+    src_gen = Path(ckpt.path) / "generation_config.json"
+    if src_gen.is_file():
+        shutil.copy(src_gen, out / "generation_config.json")
+    return out
+
+
+def plan_record(result: QuantizeResult) -> dict[str, Any]:
+    """The per-layer plan stored with the checkpoint: scheme, size and sensitivity of every unit."""
+    chosen = set(result.chosen)
+    return {
+        "scheme": result.request.scheme,
+        "weight_format": result.request.weight.name,
+        "units": [
+            {"unit": u.name, "params": u.params, "quantized": u.name in chosen,
+             "sensitivity_kl": result.sensitivity[u.name].kl_mean if u.name in result.sensitivity else None}
+            for u in result.units
+        ],
+        "joint": result.fidelity.as_dict(),
+    }
+
+
+def tool_call_validity(full: Path, quant: Path, prompts: list[str], max_tokens: int = 64) -> dict[str, float]:
+    """Share of greedy generations that contain a well-formed tool call, for both models."""
+    from kvyard.config import EngineConfig
+    from kvyard.llm import LLM
+    from kvyard.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    rates = {}
+    for label, path in (("full", full), ("quant", quant)):
+        llm = LLM(config=EngineConfig(model=str(path), kv_cache_memory="64MiB"))
+        outs = llm.generate(prompts, params)
+        rates[label] = sum(valid_tool_call(o.outputs[0].text) for o in outs) / len(prompts)
+    return rates

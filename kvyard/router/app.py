@@ -1,0 +1,167 @@
+"""The router's FastAPI app: OpenAI-compatible routes proxied to workers, plus health, metrics and workers.
+
+POST /v1/completions, /v1/chat/completions   placed by the policy, proxied (streaming or not)
+GET  /v1/models                              from a live worker
+GET  /health                                 200 while at least one worker is routable
+GET  /metrics                                the router's Prometheus metrics
+GET  /workers, POST /workers {"url": ...}     the registry; a worker on another machine joins by URL
+"""
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from kvyard import __version__
+from kvyard.router.config import RouterSettings
+from kvyard.router.handshake import HandshakeError
+from kvyard.router.placement import Placement, route_request
+from kvyard.router.policies import make_policy
+from kvyard.router.predicted import PredictedCache
+from kvyard.router.prefix_index import PrefixIndex
+from kvyard.router.prompts import PromptTokenizer
+from kvyard.router.proxy import Proxy, error_body
+from kvyard.router.registry import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterState:
+    settings: RouterSettings
+    client: httpx.AsyncClient
+    registry: WorkerRegistry
+    placement: Placement
+    proxy: Proxy
+    prompts: PromptTokenizer
+    registering: "asyncio.Task[None]"
+
+    @classmethod
+    def start(cls, settings: RouterSettings, tokenizer: Any) -> "RouterState":
+        # No proxy settings from the environment, no pool limit (one connection per request in flight),
+        # a short connect timeout (a dead worker should fail fast) and a long read one (long generations).
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.request_timeout, connect=2.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            trust_env=False,
+        )
+        index, predicted = PrefixIndex(), PredictedCache(settings.predicted_ttl)
+        registry = WorkerRegistry(settings, tokenizer, index, predicted, client)
+        placement = Placement(registry, index, predicted, make_policy(settings))
+        proxy = Proxy(placement, registry, client, settings.max_attempts)
+        registering = asyncio.create_task(registry.register_all())
+        registry.start()
+        return cls(settings, client, registry, placement, proxy, PromptTokenizer(tokenizer), registering)
+
+    async def stop(self) -> None:
+        self.registering.cancel()
+        await self.registry.stop()
+        await self.client.aclose()
+        self.prompts.close()
+
+
+def build_router_app(settings: RouterSettings, tokenizer: Any) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.router = RouterState.start(settings, tokenizer)
+        try:
+            yield
+        finally:
+            await app.state.router.stop()
+
+    app = FastAPI(
+        title="kvyard router", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan
+    )
+
+    def state() -> RouterState:
+        return app.state.router
+
+    async def generate(request: Request, path: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return JSONResponse(
+                error_body(400, "the body must be a JSON object", "invalid_json"), status_code=400
+            )
+        st = state()
+        block_size = st.registry.block_size
+        tokens = await st.prompts.token_ids(path, body) if block_size else None
+        req = route_request(tokens, block_size or 1)
+        return await st.proxy.forward(path, raw, body.get("stream") is True, req, dict(request.headers))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        st = state()
+        for w in st.registry.routable():
+            try:
+                r = await st.client.get(
+                    w.url + "/v1/models",
+                    timeout=settings.health_timeout,
+                    headers={k: v for k, v in request.headers.items() if k == "authorization"},
+                )
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        return JSONResponse(error_body(503, "no worker is healthy", "no_worker_available"), status_code=503)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        live = len(state().registry.routable())
+        return JSONResponse(
+            {"status": "ok" if live else "no healthy worker", "healthy_workers": live},
+            status_code=200 if live else 503,
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = state().registry.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/workers")
+    async def workers() -> JSONResponse:
+        reg = state().registry
+        return JSONResponse(
+            {
+                "policy": settings.policy,
+                "block_size": reg.block_size,
+                "model": reg.model,
+                "workers": [w.describe() for w in reg.workers.values()],
+            }
+        )
+
+    @app.post("/workers")
+    async def add_worker(request: Request) -> JSONResponse:
+        try:
+            url = (await request.json())["url"]
+            assert isinstance(url, str)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            return JSONResponse(
+                error_body(400, 'expected {"url": "http://host:port"}', "invalid_request"), 400
+            )
+        try:
+            w = await state().registry.add(url)
+        except HandshakeError as e:
+            return JSONResponse(error_body(409, str(e), "kv_config_mismatch"), status_code=409)
+        except httpx.HTTPError as e:
+            return JSONResponse(error_body(502, f"{url} did not answer: {e}", "worker_unreachable"), 502)
+        return JSONResponse(w.describe())
+
+    return app

@@ -1,0 +1,53 @@
+"""`RouterSettings`: everything `kvyard route` can be told, with checked ranges."""
+
+from dataclasses import dataclass, field
+
+from kvyard.errors import ConfigError
+
+POLICIES = ("kv", "round-robin", "least-loaded", "random")
+
+
+@dataclass
+class RouterSettings:
+    workers: list[str] = field(default_factory=list)  # base URLs, e.g. http://127.0.0.1:8001
+    model: str = "smollm2-135m"  # whose tokenizer the router hashes prompts with (the workers' model)
+    policy: str = "kv"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    block_size: int | None = None  # None: take the first worker's (the handshake checks the rest agree)
+    # kv policy: cost = prefill_weight * uncached blocks + load_weight * blocks of requests in flight.
+    prefill_weight: float = 1.0
+    load_weight: float = 0.5
+    temperature: float = 0.0  # > 0: pick by softmax over normalised costs instead of the minimum
+    # Hot-spot protection: a worker is skipped while it has more than factor * mean + slack requests in flight.
+    hot_spot_factor: float = 1.5
+    hot_spot_slack: float = 1.0
+    predicted_ttl: float = 10.0  # seconds an assignment counts as cached there before events confirm it
+    health_interval: float = 1.0  # seconds between health checks of each worker
+    health_timeout: float = 2.0
+    dead_after: int = 2  # consecutive failed checks before a worker leaves the rotation
+    max_attempts: int = 3  # workers a request is tried on when connecting fails before any byte
+    request_timeout: float = 600.0
+    register_timeout: float = 300.0  # how long startup waits for every worker to answer the handshake
+    seed: int | None = None  # seeds the random choices (random policy, ties, softmax)
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("policy", self.policy in POLICIES, f"must be one of {', '.join(POLICIES)}"),
+            ("port", 0 <= self.port <= 65535, "must be in [0, 65535]"),
+            ("block_size", self.block_size is None or self.block_size >= 1, "must be >= 1"),
+            ("prefill_weight", self.prefill_weight >= 0, "must be >= 0"),
+            ("load_weight", self.load_weight >= 0, "must be >= 0"),
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("hot_spot_factor", self.hot_spot_factor >= 1, "must be >= 1"),
+            ("hot_spot_slack", self.hot_spot_slack >= 0, "must be >= 0"),
+            ("predicted_ttl", self.predicted_ttl >= 0, "must be >= 0"),
+            ("health_interval", self.health_interval > 0, "must be > 0"),
+            ("dead_after", self.dead_after >= 1, "must be >= 1"),
+            ("max_attempts", self.max_attempts >= 1, "must be >= 1"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ConfigError(f"router setting {name} {why}, got {getattr(self, name)!r}", param=name)
+        self.workers = [w.rstrip("/").removesuffix("/v1") for w in self.workers]

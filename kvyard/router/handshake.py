@@ -1,0 +1,44 @@
+"""Registration handshake: fetch a worker's `GET /kv/config` and refuse it, loudly, if its block hashes
+would differ from ours (kvyard/server/kv_config.py explains why this matters)."""
+
+import logging
+
+import httpx
+import msgspec
+
+from kvyard.errors import KvyardError
+from kvyard.server.kv_config import KVConfig, hash_mismatches
+
+log = logging.getLogger(__name__)
+
+
+class HandshakeError(KvyardError):
+    """The worker's hashing scheme or model differs from the router's: it must not be routed to."""
+
+    def __init__(self, url: str, problems: list[str]):
+        super().__init__(f"refusing worker {url}: " + "; ".join(problems))
+        self.url = url
+        self.problems = problems
+
+
+async def fetch_kv_config(client: httpx.AsyncClient, url: str, timeout: float) -> KVConfig:
+    """Raises httpx errors when the worker does not answer, HandshakeError when it answers wrongly."""
+    r = await client.get(url + "/kv/config", timeout=timeout)
+    if r.status_code == 404:
+        raise HandshakeError(url, ["it has no /kv/config (not a kvyard worker, or an older one)"])
+    r.raise_for_status()
+    try:
+        return msgspec.json.decode(r.content, type=KVConfig)
+    except msgspec.ValidationError as e:
+        raise HandshakeError(url, [f"/kv/config is malformed: {e}"]) from None
+
+
+def check_config(url: str, expected: KVConfig, got: KVConfig, model: str | None) -> None:
+    """`expected` is the router's own scheme; `model` the served model name the other workers agreed on."""
+    problems = hash_mismatches(expected, got)
+    if model is not None and got.model != model:
+        problems.append(f"model: the other workers serve {model!r}, this one {got.model!r}")
+    if problems:
+        err = HandshakeError(url, problems)
+        log.error("%s", err)
+        raise err

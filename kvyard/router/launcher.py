@@ -1,0 +1,152 @@
+"""`kvyard up`: N `kvyard serve` workers on consecutive ports (and optionally the router) as child processes.
+
+Workers publish KV events on free ports (announced in /kv/config), split the machine's cores between
+them, and die with their parent (PR_SET_PDEATHSIG on Linux), so a killed `kvyard up` leaves no orphans.
+"""
+
+import ctypes
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+from kvyard.errors import KvyardError
+
+
+@dataclass
+class ClusterSpec:
+    replicas: int
+    model: str
+    worker_port: int = 8001  # the first worker's; the others follow
+    host: str = "127.0.0.1"
+    num_threads: int | None = None  # per worker; default: the cores split evenly
+    serve_args: list[str] = field(default_factory=list)  # more `kvyard serve` flags for every worker
+    log_dir: Path | None = None  # worker logs go here; None: inherit our stdout/stderr
+
+    def threads(self) -> int:
+        return self.num_threads or max(1, (os.cpu_count() or 1) // self.replicas)
+
+    def worker_urls(self) -> list[str]:
+        return [f"http://{self.host}:{self.worker_port + i}" for i in range(self.replicas)]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def kvyard_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvyard.cli.main", *args]
+
+
+class ChildProcess:
+    def __init__(self, name: str, cmd: list[str], log_path: Path | None):
+        self.name = name
+        self.cmd = cmd
+        self.log: IO[str] | None = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT if self.log else None,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self.log:
+            self.log.close()
+
+
+class Cluster:
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.workers: list[ChildProcess] = []
+        self.router: ChildProcess | None = None
+
+    def start_workers(self) -> list[str]:
+        s = self.spec
+        for i, url in enumerate(s.worker_urls()):
+            cmd = kvyard_command(
+                "serve",
+                "--model",
+                s.model,
+                "--host",
+                s.host,
+                "--port",
+                str(s.worker_port + i),
+                "--kv-events-port",
+                "0",
+                "--num-threads",
+                str(s.threads()),
+                *s.serve_args,
+            )
+            log = s.log_dir / f"worker{i}.log" if s.log_dir else None
+            self.workers.append(ChildProcess(f"worker {i} ({url})", cmd, log))
+        return s.worker_urls()
+
+    def start_router(self, port: int, policy: str, route_args: list[str] = ()) -> str:  # type: ignore[assignment]
+        s = self.spec
+        cmd = kvyard_command(
+            "route",
+            "--model",
+            s.model,
+            "--host",
+            s.host,
+            "--port",
+            str(port),
+            "--policy",
+            policy,
+            *[a for u in s.worker_urls() for a in ("--worker", u)],
+            *route_args,
+        )
+        self.router = ChildProcess("router", cmd, s.log_dir / "router.log" if s.log_dir else None)
+        return f"http://{s.host}:{port}"
+
+    def wait_ready(self, urls: list[str], timeout: float, path: str = "/health") -> None:
+        """Wait until every URL answers 200 on `path`; fail early when one of our processes exits."""
+        deadline = time.monotonic() + timeout
+        pending = list(urls)
+        while pending:
+            for child in self.children():
+                if child.proc.poll() is not None:
+                    raise KvyardError(f"{child.name} exited with status {child.proc.returncode}")
+            try:
+                if httpx.get(pending[0] + path, timeout=2.0, trust_env=False).status_code == 200:
+                    pending.pop(0)
+                    continue
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise KvyardError(f"{pending[0]} did not become ready within {timeout:g} s")
+            time.sleep(0.3)
+
+    def children(self) -> list[ChildProcess]:
+        return self.workers + ([self.router] if self.router else [])
+
+    def stop(self) -> None:
+        # SIGTERM to all first, so they drain in parallel; then wait for each.
+        for child in self.children():
+            if child.proc.poll() is None:
+                child.proc.terminate()
+        for child in self.children():
+            child.stop()
+
+
+def split_args(text: str | None) -> list[str]:
+    return shlex.split(text) if text else []

@@ -1,0 +1,196 @@
+"""Forwarding a request to the chosen worker: non-streaming and streaming (SSE passed through event by event).
+
+Failures before anything reached the client are retried on another worker (up to `max_attempts`): a
+refused or reset connection, a 502/503 answer, a stream that breaks before its first event, and for
+non-streaming requests any failure at all (the client has seen nothing yet). A stream that breaks later
+cannot be replayed, so it ends with an OpenAI-style error event and `[DONE]`: no request ever hangs or
+ends silently. A worker declared dead by the health checker cuts its streams the same way at once.
+"""
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+import httpx
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvyard.router.placement import Decision, Placement
+from kvyard.router.policies import RouteRequest
+from kvyard.router.registry import WorkerRegistry
+from kvyard.router.worker import Worker
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DONE = b"data: [DONE]\n\n"
+_FORWARD_HEADERS = ("authorization", "content-type", "accept")
+_KEEP_RESPONSE_HEADERS = ("content-type", "retry-after")
+_RETRY_STATUS = (502, 503)
+
+
+class WorkerFailed(Exception):
+    """The worker could not be reached or died before answering."""
+
+
+def error_body(status: int, message: str, code: str) -> dict[str, object]:
+    kind = (
+        "invalid_request_error"
+        if status < 500
+        else "service_unavailable"
+        if status == 503
+        else "server_error"
+    )
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def error_event(message: str) -> bytes:
+    return f"data: {json.dumps(error_body(502, message, 'worker_failed'))}\n\n".encode()
+
+
+async def sse_events(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """Complete server-sent events (up to and including their blank line), never half of one."""
+    buf = b""
+    async for chunk in resp.aiter_bytes():
+        buf += chunk
+        while (i := buf.find(b"\n\n")) >= 0:
+            yield buf[: i + 2]
+            buf = buf[i + 2 :]
+
+
+async def until_dead(worker: Worker, work: Awaitable[T]) -> T:
+    """Await `work`, unless the worker is declared dead first (then raise WorkerFailed)."""
+    task = asyncio.ensure_future(work)
+    dead = asyncio.ensure_future(worker.dead.wait())
+    try:
+        await asyncio.wait({task, dead}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise WorkerFailed(f"worker {worker.url} was declared dead")
+    finally:
+        for t in (task, dead):
+            t.cancel()
+
+
+class Proxy:
+    def __init__(
+        self, placement: Placement, registry: WorkerRegistry, client: httpx.AsyncClient, max_attempts: int
+    ):
+        self.placement = placement
+        self.registry = registry
+        self.client = client
+        self.max_attempts = max_attempts
+        self.metrics = registry.metrics
+
+    async def forward(
+        self, path: str, raw: bytes, stream: bool, req: RouteRequest, headers: dict[str, str]
+    ) -> Response:
+        fwd = {k: v for k, v in headers.items() if k.lower() in _FORWARD_HEADERS}
+        tried: set[str] = set()
+        last_error = "no worker is healthy"
+        for _ in range(self.max_attempts):
+            d = self.placement.pick(req, tried)
+            if d is None:
+                break
+            if tried:
+                self.metrics.retries.labels("worker_failed").inc()
+            tried.add(d.worker.url)
+            self.placement.begin(d, req)
+            try:
+                if stream:
+                    return await self._stream(d, req, path, raw, fwd)
+                return await self._once(d, req, path, raw, fwd)
+            except WorkerFailed as e:
+                self.placement.end(d, req)
+                last_error = str(e)
+                self.metrics.requests.labels(d.worker.url, "retried").inc()
+                log.warning("%s", e)
+        body = error_body(503, f"no worker could take the request: {last_error}", "no_worker_available")
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+
+    def _fail(self, d: Decision, e: BaseException) -> WorkerFailed:
+        reason = f"{type(e).__name__}: {e}" if not isinstance(e, WorkerFailed) else str(e)
+        if isinstance(e, httpx.TransportError):
+            self.registry.mark_dead(d.worker, reason)  # cannot connect, or the connection broke
+        return WorkerFailed(f"worker {d.worker.url} failed: {reason}")
+
+    async def _once(
+        self, d: Decision, req: RouteRequest, path: str, raw: bytes, fwd: dict[str, str]
+    ) -> Response:
+        try:
+            r = await until_dead(d.worker, self.client.post(d.worker.url + path, content=raw, headers=fwd))
+        except (httpx.TransportError, WorkerFailed) as e:
+            raise self._fail(d, e) from e
+        if r.status_code in _RETRY_STATUS:
+            raise WorkerFailed(f"worker {d.worker.url} answered {r.status_code}")
+        self.placement.end(d, req)
+        self.metrics.requests.labels(d.worker.url, str(r.status_code)).inc()
+        return Response(r.content, status_code=r.status_code, headers=self._headers(r, d))
+
+    def _headers(self, r: httpx.Response, d: Decision) -> dict[str, str]:
+        out = {k: v for k, v in r.headers.items() if k.lower() in _KEEP_RESPONSE_HEADERS}
+        out["x-kvyard-worker"] = d.worker.url
+        return out
+
+    async def _stream(
+        self, d: Decision, req: RouteRequest, path: str, raw: bytes, fwd: dict[str, str]
+    ) -> Response:
+        upstream = self.client.build_request("POST", d.worker.url + path, content=raw, headers=fwd)
+        try:
+            resp = await until_dead(d.worker, self.client.send(upstream, stream=True))
+        except (httpx.TransportError, WorkerFailed) as e:
+            raise self._fail(d, e) from e
+        if resp.status_code != 200:
+            content = await resp.aread()
+            await resp.aclose()
+            if resp.status_code in _RETRY_STATUS:
+                raise WorkerFailed(f"worker {d.worker.url} answered {resp.status_code}")
+            self.placement.end(d, req)
+            self.metrics.requests.labels(d.worker.url, str(resp.status_code)).inc()
+            return Response(content, status_code=resp.status_code, headers=self._headers(resp, d))
+        events = sse_events(resp)
+        try:
+            # Nothing is sent to the client before the first event: until then a failure can be retried.
+            first = await until_dead(d.worker, anext(events))
+        except (httpx.TransportError, WorkerFailed, StopAsyncIteration) as e:
+            await resp.aclose()
+            raise self._fail(
+                d, e if not isinstance(e, StopAsyncIteration) else WorkerFailed("empty stream")
+            ) from e
+        return StreamingResponse(self._relay(d, req, resp, first, events), headers=self._headers(resp, d))
+
+    async def _relay(
+        self, d: Decision, req: RouteRequest, resp: httpx.Response, first: bytes, events: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
+        outcome = "200"
+        # A dead worker may hang rather than close the connection: closing the response cuts the stream.
+        watcher = asyncio.ensure_future(self._close_when_dead(d.worker, resp))
+        try:
+            yield first
+            done = first == DONE
+            try:
+                async for event in events:
+                    yield event
+                    done = done or event == DONE
+                if not done:
+                    raise WorkerFailed("the stream ended without [DONE]")
+            except Exception as e:  # noqa: BLE001 - whatever broke the stream, the client gets an error event
+                outcome = "cut"
+                err = (
+                    self._fail(d, e)
+                    if not d.worker.dead.is_set()
+                    else WorkerFailed(f"worker {d.worker.url} died")
+                )
+                log.warning("stream cut: %s", err)
+                yield error_event(f"the stream was cut: {err}")
+                yield DONE
+        finally:
+            watcher.cancel()
+            await resp.aclose()
+            self.placement.end(d, req)
+            self.metrics.requests.labels(d.worker.url, outcome).inc()
+
+    async def _close_when_dead(self, worker: Worker, resp: httpx.Response) -> None:
+        await worker.dead.wait()
+        await resp.aclose()

@@ -1,0 +1,42 @@
+"""The low-bit kernels agree with a matmul on the dequantized weight."""
+
+import pytest
+import torch
+
+from kvyard.quant.qlinear import KERNEL_MAX_ROWS, Int4Linear, Int8Linear, make_linear
+from kvyard.quant.qtensor import QuantizedTensor
+from kvyard.quant.scheme import parse_weight_scheme
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("name", ["int8", "int4-g32", "int4-g64-asym", "int4-g128"])
+@pytest.mark.parametrize("shape", [(96, 200), (128, 576), (400, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, KERNEL_MAX_ROWS + 9])  # kernel path, and dequantize-then-GEMM
+def test_matches_dequantized_reference(name, shape, dtype, rows):
+    torch.manual_seed(0)
+    qt = QuantizedTensor.quantize(torch.randn(shape), parse_weight_scheme(name))
+    lin = make_linear(qt, dtype, CPU)
+    x = torch.randn(rows, shape[1]).to(dtype)
+    ref = x.double() @ qt.dequantize().to(dtype).double().T
+    y = lin(x)
+    assert y.shape == (rows, shape[0]) and y.dtype == dtype
+    rel = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+    assert rel < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4-g32", "int4-g128-asym"])
+def test_dequantize_unpacks_the_kernel_layout(name):
+    qt = QuantizedTensor.quantize(torch.randn(200, 160), parse_weight_scheme(name))
+    lin = make_linear(qt, torch.float32, CPU)
+    assert torch.allclose(lin.dequantize(torch.float32), qt.dequantize(), atol=1e-6)
+
+
+def test_low_bit_weights_are_smaller():
+    w = torch.randn(512, 1024)
+    int8 = Int8Linear(QuantizedTensor.quantize(w, parse_weight_scheme("int8")), torch.bfloat16, CPU)
+    int4 = Int4Linear(QuantizedTensor.quantize(w, parse_weight_scheme("int4-g128")), torch.bfloat16, CPU)
+    dense = w.bfloat16().nbytes
+    assert int8.nbytes < 0.52 * dense
+    assert int4.nbytes < 0.27 * dense

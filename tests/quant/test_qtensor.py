@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+from kvyard.errors import CheckpointError
+from kvyard.quant.qtensor import QuantizedTensor, pack_int4, unpack_int4
+from kvyard.quant.scheme import parse_weight_scheme
+
+SCHEMES = ["int8", "int4-g32", "int4-g64-asym", "int4-g128", "int4-g128-asym"]
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize("shape", [(96, 200), (64, 128), (7, 33)])
+def test_error_is_within_half_a_step(name, shape):
+    torch.manual_seed(0)
+    w = torch.randn(shape)
+    qt = QuantizedTensor.quantize(w, parse_weight_scheme(name))
+    assert qt.q.dtype == torch.int8 and qt.shape == shape
+    assert int(qt.q.min()) >= qt.scheme.qmin and int(qt.q.max()) <= qt.scheme.qmax
+    step = qt._per_column(qt.scale)
+    # Rounding error is at most half a step; symmetric int4 also clips the largest value by half a step.
+    assert ((qt.dequantize() - w).abs() <= step * 0.5 + 1e-6).all()
+
+
+def test_asymmetric_keeps_zero_exact():
+    w = torch.rand(64, 128) + 0.5  # all positive: the range is widened to include 0
+    w[:, ::7] = 0.0
+    qt = QuantizedTensor.quantize(w, parse_weight_scheme("int4-g32-asym"))
+    assert (qt.dequantize()[:, ::7] == 0).all()
+
+
+def test_pack_unpack_roundtrip():
+    q = torch.randint(-8, 8, (5, 19), dtype=torch.int8)
+    packed = pack_int4(q)
+    assert packed.dtype == torch.int32 and packed.shape == (5, 3)
+    assert torch.equal(unpack_int4(packed, 19), q)
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_state_dict_roundtrip(name):
+    qt = QuantizedTensor.quantize(torch.randn(64, 96), parse_weight_scheme(name))
+    sd = qt.to_state_dict("layer.")
+    back = QuantizedTensor.from_state_dict(sd, "layer.", qt.scheme, "test")
+    assert torch.equal(back.q, qt.q) and torch.equal(back.scale, qt.scale)
+    assert torch.equal(back.dequantize(), qt.dequantize())
+
+
+def test_missing_part_names_the_tensor():
+    qt = QuantizedTensor.quantize(torch.randn(64, 96), parse_weight_scheme("int4-g32"))
+    sd = qt.to_state_dict("model.layers.0.mlp.down_proj.")
+    del sd["model.layers.0.mlp.down_proj.weight_scale"]
+    with pytest.raises(CheckpointError, match="down_proj.weight_scale"):
+        QuantizedTensor.from_state_dict(sd, "model.layers.0.mlp.down_proj.", qt.scheme, "ckpt")
+
+
+def test_cat_equals_quantizing_the_fused_matrix():
+    s = parse_weight_scheme("int4-g32-asym")
+    a, b = torch.randn(64, 96), torch.randn(32, 96)
+    fused = QuantizedTensor.cat([QuantizedTensor.quantize(a, s), QuantizedTensor.quantize(b, s)])
+    direct = QuantizedTensor.quantize(torch.cat([a, b]), s)
+    assert torch.equal(fused.dequantize(), direct.dequantize())
+
+
+def test_cat_refuses_mixed_schemes():
+    a = QuantizedTensor.quantize(torch.randn(64, 96), parse_weight_scheme("int8"))
+    b = QuantizedTensor.quantize(torch.randn(64, 96), parse_weight_scheme("int4-g32"))
+    with pytest.raises(CheckpointError, match="one quantization scheme"):
+        QuantizedTensor.cat([a, b])

@@ -1,0 +1,121 @@
+"""kvyard quantize end to end on a tiny model: plan, budget, protection, save -> load -> generate."""
+
+import json
+
+import pytest
+import torch
+
+from kvyard.cli.main import main
+from kvyard.config import EngineConfig
+from kvyard.errors import ConfigError
+from kvyard.llm import LLM
+from kvyard.loader.checkpoint import load_checkpoint
+from kvyard.models.decoder import DecoderModel
+from kvyard.quant.calib import build_calibration, valid_tool_call
+from kvyard.quant.fidelity import FidelityMeter
+from kvyard.quant.qlinear import Int4Linear
+from kvyard.quant.tool import QuantizeOptions, quantize_model
+from kvyard.sampling_params import SamplingParams
+
+
+def _opts(path, out, **kw) -> QuantizeOptions:
+    base = dict(model=str(path), out=out, dtype="float32", progress=False, max_seq_len=64)
+    return QuantizeOptions(**{**base, **kw})
+
+
+def _measure_loaded(src, out) -> float:
+    """Re-measure the mean KL of the saved directory from scratch, against the source checkpoint."""
+    def model(p):
+        ckpt = load_checkpoint(p)
+        m = DecoderModel(ckpt.config, torch.float32, torch.device("cpu"), max_positions=128)
+        m.load(ckpt.tensors(), str(p))
+        return m, ckpt
+    full, ckpt = model(src)
+    quant, _ = model(out)
+    from kvyard.quant.calib import DEFAULT_TEXT
+
+    calib = build_calibration(ckpt.tokenizer, DEFAULT_TEXT, 64)
+    return FidelityMeter(full, calib.sequences).measure(quant).kl_mean
+
+
+def test_mixed_plan_respects_budget_and_protects_head(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("llama")
+    # A budget between the least and the most sensitive unit, so the search must choose.
+    probe = quantize_model(_opts(src, None, scheme="int4-g32", tool_eval=False))
+    kls = sorted(f.kl_mean for f in probe.sensitivity.values())
+    budget = kls[len(kls) // 2] * 2
+    r = quantize_model(_opts(src, tmp_path / "mixed", scheme="mixed", kl_budget=budget, mixed_weight="int4-g32"))
+    assert r.fidelity.kl_mean <= budget
+    assert "lm_head" not in r.plan and all(not u.name == "lm_head" for u in r.units)
+    assert 0 < len(r.chosen) < len(r.units)
+    assert r.searched.params >= r.naive.params
+    assert r.searched.fidelity.kl_mean <= budget and r.naive.fidelity.kl_mean <= budget
+    # What was measured is what was saved: a fresh load gives the same joint KL.
+    assert _measure_loaded(src, tmp_path / "mixed") == pytest.approx(r.fidelity.kl_mean, rel=1e-4, abs=1e-9)
+    cfg = json.loads((tmp_path / "mixed" / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "compressed-tensors" and "lm_head" in cfg["ignore"]
+    plan = json.loads((tmp_path / "mixed" / "quant_plan.json").read_text())
+    assert sum(u["quantized"] for u in plan["units"]) == len(r.chosen)
+    assert set(r.tool_json) == {"full", "quant"}
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-g64-asym"])
+def test_quantize_save_load_generate(tiny_checkpoint, tmp_path, scheme):
+    src = tiny_checkpoint("qwen2")
+    out = tmp_path / scheme
+    r = quantize_model(_opts(src, out, scheme=scheme, sensitivity=False, tool_eval=False))
+    assert len(r.chosen) == len(r.units)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    loaded = LLM(config=EngineConfig(model=str(out), dtype="float32"))
+    on_load = LLM(config=EngineConfig(model=str(src), dtype="float32", quantization=scheme))
+    prompts = ["hello world", "def add(a, b):"]
+    a = [o.outputs[0].token_ids for o in loaded.generate(prompts, params)]
+    b = [o.outputs[0].token_ids for o in on_load.generate(prompts, params)]
+    assert a == b and all(len(t) == 16 for t in a)
+    layer = loaded.engine.runner.model.layers[0]
+    assert not isinstance(layer.qkv, torch.Tensor) and isinstance(loaded.engine.runner.model.lm_head, torch.Tensor)
+    if scheme.startswith("int4"):
+        assert isinstance(layer.gate_up, Int4Linear)
+
+
+def test_unprotected_head_is_quantized(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("llama", tie_word_embeddings=True)
+    r = quantize_model(_opts(src, tmp_path / "q", scheme="int8", protect=(), sensitivity=False, tool_eval=False))
+    assert "lm_head" in r.plan
+    llm = LLM(config=EngineConfig(model=str(tmp_path / "q"), dtype="float32"))
+    model = llm.engine.runner.model
+    assert not isinstance(model.lm_head, torch.Tensor) and isinstance(model.embed, torch.Tensor)
+    assert len(llm.generate(["hello"], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(scheme="mixed"), "needs --kl-budget"),
+        (dict(scheme="mixed", kl_budget=-1.0), "positive"),
+        (dict(scheme="int5"), "unknown quantization scheme"),
+        (dict(scheme="int4-g100"), "group size"),
+    ],
+)
+def test_bad_scheme_or_budget_is_a_clear_error(tiny_checkpoint, tmp_path, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        quantize_model(_opts(tiny_checkpoint("llama"), tmp_path / "x", **kw))
+
+
+def test_cli_writes_reports(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "cli"
+    rc = main(["quantize", "--model", str(tiny_checkpoint("llama")), "--scheme", "int4-g32", "--out", str(out),
+               "--dtype", "float32", "--max-seq-len", "64"])
+    assert rc == 0
+    for name in ("quant_report.md", "quant_report.json", "sensitivity.png", "model.safetensors", "config.json"):
+        assert (out / name).is_file()
+    report = json.loads((out / "quant_report.json").read_text())
+    assert report["fidelity"]["kl_mean"] > 0 and 0 <= report["fidelity"]["top1_agreement"] <= 1
+    assert "KL(p_full" in capsys.readouterr().out
+    assert main(["quantize", "--model", str(tiny_checkpoint("llama")), "--scheme", "mixed", "--out", str(out)]) == 2
+
+
+def test_valid_tool_call_parsing():
+    assert valid_tool_call('sure: {"name": "f", "arguments": {"x": 1}} done')
+    assert not valid_tool_call('{"name": "f", "arguments": {"x": 1}')
+    assert not valid_tool_call('{"arguments": {}}')

@@ -1,0 +1,236 @@
+"""`kvyard up` end to end: two worker processes and the router, used through the `openai` client; cache
+affinity; a worker killed mid-run (no hang, cut streams end with an error event, traffic moves on); and
+SIGTERM stopping every process."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+SYSTEM = "You are a careful assistant. Paged attention keeps the KV cache in fixed-size blocks. " * 3
+
+
+def free_port_run(n: int) -> int:
+    """A port p such that p..p+n-1 are all free now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65000:
+            continue
+        try:
+            socks = []
+            for i in range(n):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError("no free port run")
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+class Cluster:
+    def __init__(self, proc: subprocess.Popen, port: int):
+        self.proc = proc
+        self.url = f"http://127.0.0.1:{port}"
+        self.worker_urls = [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]
+
+    def workers(self) -> dict[str, dict]:
+        data = httpx.get(self.url + "/workers", timeout=5, trust_env=False).json()
+        return {w["url"]: w for w in data["workers"]}
+
+    def worker_pid(self, url: str) -> int:
+        port = url.rsplit(":", 1)[1]
+        for pid in children(self.proc.pid):
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"--port" in args and args[args.index(b"--port") + 1] == port.encode():
+                return pid
+        raise LookupError(url)
+
+
+def wait(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_path, tmp_path_factory):
+    port = free_port_run(3)
+    logs = tmp_path_factory.mktemp("up-logs")
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvyard.cli.main",
+        "up",
+        "--replicas",
+        "2",
+        "--model",
+        str(tiny_path),
+        "--router-port",
+        str(port),
+        "--num-threads",
+        "1",
+        "--log-dir",
+        str(logs),
+        "--log-level",
+        "warning",
+        "--serve-args",
+        "--dtype float32 --kv-cache-memory 2MiB --max-num-batched-tokens 256",
+        "--health-interval",
+        "0.3",
+        "--predicted-ttl",
+        "0.5",
+        "--seed",
+        "0",
+    ]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    c = Cluster(proc, port)
+    try:
+        ok = wait(
+            lambda: all(w["status"] == "healthy" for w in c.workers().values()) and len(c.workers()) == 2, 90
+        )
+        assert ok, "the cluster did not come up"
+        yield c
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_openai_client_through_the_router(cluster, tiny_path):
+    client = OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [str(tiny_path)]
+    chat = client.chat.completions.create(
+        model=str(tiny_path),
+        messages=[{"role": "user", "content": "Hi!"}],
+        max_tokens=6,
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 6
+    stream = client.completions.create(
+        model=str(tiny_path),
+        prompt="The quick brown fox",
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 8
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
+    bad = httpx.post(cluster.url + "/v1/completions", json={"prompt": "x", "max_tokens": -1}, trust_env=False)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"  # the worker's own error
+
+
+def test_kv_policy_sends_a_follow_up_to_the_worker_holding_its_prefix(cluster, tiny_path):
+    client = OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+
+    def ask(system: str, question: str) -> str:
+        raw = client.chat.completions.with_raw_response.create(
+            model=str(tiny_path),
+            max_tokens=4,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        )
+        return raw.headers["x-kvyard-worker"]
+
+    for system in (SYSTEM, "Continuous batching admits requests every step. " * 6):
+        first = ask(system, "What is a block?")
+        time.sleep(0.8)  # past the predicted-state TTL: only the event-fed index knows where the prefix is
+        assert [ask(system, f"Follow-up number {i}?") for i in range(3)] == [first] * 3
+    metrics = httpx.get(cluster.url + "/metrics", trust_env=False).text
+    assert 'kvyard_router_decisions_total{policy="kv",reason="affinity"}' in metrics
+
+
+def stream_lines(url: str, body: dict, out: list, started: threading.Event) -> None:
+    lines = []
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60, trust_env=False) as r:
+            out.append(("worker", r.headers.get("x-kvyard-worker")))
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    lines.append(line[5:].strip())
+                    started.set()
+    except httpx.HTTPError as e:
+        lines.append(f"client error: {e}")
+    out.append(("lines", lines))
+
+
+def test_killing_a_worker_mid_run(cluster, tiny_path):
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    results, threads = [], []
+    events = []
+    for _ in range(6):
+        out: list = []
+        ev = threading.Event()
+        t = threading.Thread(target=stream_lines, args=(cluster.url, body, out, ev))
+        t.start()
+        results.append(out)
+        threads.append(t)
+        events.append(ev)
+    assert all(ev.wait(30) for ev in events)
+    victim = cluster.worker_urls[0]
+    os.kill(cluster.worker_pid(victim), signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive(), "a stream hung after its worker died"
+    cut = 0
+    for out in results:
+        worker = dict(out)["worker"]
+        lines = dict(out)["lines"]
+        assert lines[-1] == "[DONE]", lines[-3:]
+        if worker == victim:
+            err = json.loads(lines[-2])["error"]
+            assert err["code"] == "worker_failed" and "cut" in err["message"]
+            cut += 1
+        else:
+            assert "error" not in lines[-2]
+    assert cut >= 1  # some of the six streams were on the killed worker
+    assert wait(lambda: cluster.workers()[victim]["status"] == "dead", 5)
+    for _ in range(4):  # new requests go to the live worker, even with a prefix only the dead one held
+        r = httpx.post(
+            cluster.url + "/v1/completions",
+            json={"prompt": "Once upon a time", "max_tokens": 3},
+            timeout=30,
+            trust_env=False,
+        )
+        assert r.status_code == 200 and r.headers["x-kvyard-worker"] == cluster.worker_urls[1]
+
+
+def test_sigterm_stops_the_router_and_every_worker(cluster):
+    pids = children(cluster.proc.pid)
+    assert len(pids) == 2
+    cluster.proc.send_signal(signal.SIGTERM)
+    assert cluster.proc.wait(30) == 0
+    assert all(gone(p) for p in pids)
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
