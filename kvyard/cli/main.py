@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvyard.bench.quant import add_quant_bench_parser
     from kvyard.bench.route import add_route_bench_parser
     from kvyard.bench.serve import add_serve_bench_parsers
+    from kvyard.bench.structured import add_structured_bench_parser
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     add_offline_bench_parser(bench)
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prefix_bench_parser(bench)
     add_route_bench_parser(bench)
     add_quant_bench_parser(bench)
+    add_structured_bench_parser(bench)
     return parser
 
 

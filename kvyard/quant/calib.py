@@ -53,10 +53,15 @@ DEFAULT_TEXT = [
 ]
 
 
+TOOL_CALL_OPENING = '{"name": "'
+
+
 @dataclass
 class Calibration:
     sequences: list[list[int]]  # teacher-forced token sequences for KL
-    tool_prompts: list[str]  # chat prompts that should produce a tool-call JSON
+    # Chat prompts that end with the opening of the call (TOOL_CALL_OPENING), so that even a small model
+    # is writing a tool call and the check measures whether it stays valid JSON.
+    tool_prompts: list[str]
     tool_answers: list[dict[str, Any]]
 
 
@@ -93,7 +98,7 @@ def build_calibration(tokenizer: Any, texts: list[str], max_len: int = 256) -> C
         msgs = [{"role": "system", "content": TOOL_SYSTEM}, {"role": "user", "content": user}]
         answered = msgs + [{"role": "assistant", "content": json.dumps(call)}]
         sequences.append(tokenizer(chat(answered, False), add_special_tokens=False).input_ids[:max_len])
-        prompts.append(chat(msgs, True))
+        prompts.append(chat(msgs, True) + TOOL_CALL_OPENING)
         answers.append(call)
     return Calibration([s for s in sequences if len(s) >= 2], prompts, answers)
 
@@ -112,5 +117,6 @@ def first_json_object(text: str) -> dict[str, Any] | None:
 
 
 def valid_tool_call(text: str) -> bool:
+    """`text` (a completion of a tool prompt, opening included) holds a well-formed call first."""
     obj = first_json_object(text)
     return obj is not None and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments"), dict)

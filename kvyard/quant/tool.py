@@ -14,7 +14,14 @@ from kvyard.errors import ConfigError
 from kvyard.loader.checkpoint import Checkpoint, load_checkpoint
 from kvyard.loader.registry import resolve_model
 from kvyard.models.decoder import DecoderModel
-from kvyard.quant.calib import DEFAULT_TEXT, Calibration, build_calibration, read_calib_file, valid_tool_call
+from kvyard.quant.calib import (
+    DEFAULT_TEXT,
+    TOOL_CALL_OPENING,
+    Calibration,
+    build_calibration,
+    read_calib_file,
+    valid_tool_call,
+)
 from kvyard.quant.fidelity import Fidelity, FidelityMeter
 from kvyard.quant.plan import (
     DEFAULT_PROTECT,
@@ -187,5 +194,5 @@ def tool_call_validity(full: Path, quant: Path, prompts: list[str], max_tokens: 
     for label, path in (("full", full), ("quant", quant)):
         llm = LLM(config=EngineConfig(model=str(path), kv_cache_memory="64MiB"))
         outs = llm.generate(prompts, params)
-        rates[label] = sum(valid_tool_call(o.outputs[0].text) for o in outs) / len(prompts)
+        rates[label] = sum(valid_tool_call(TOOL_CALL_OPENING + o.outputs[0].text) for o in outs) / len(prompts)
     return rates
