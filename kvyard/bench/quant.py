@@ -112,6 +112,7 @@ def run_quant_bench(args: argparse.Namespace) -> int:
             fidelity[scheme] = {"kl_mean": f.kl_mean, "kl_p99": f.kl_p99, "top1_agreement": f.top1_agreement,
                                 "ppl_change": f.ppl_change}
             paths[scheme] = str(model_path)
+            print(f"{scheme}: {json.dumps(fidelity[scheme])}", file=sys.stderr)
             continue
         r = quantize_model(QuantizeOptions(model=str(model_path), scheme=scheme, out=out_root / scheme,
                                            kl_budget=args.kl_budget, mixed_weight=args.mixed_weight,
