@@ -21,6 +21,7 @@ from kvyard.bench.workload import random_workload
 from kvyard.config import EngineConfig, parse_dtype
 from kvyard.llm import LLM
 from kvyard.loader.registry import resolve_model
+from kvyard.quant.plan import DEFAULT_PROTECT
 from kvyard.quant.tool import QuantizeOptions, QuantizeResult, kv_cache_fidelity, quantize_model
 from kvyard.sampling_params import SamplingParams
 
@@ -33,6 +34,8 @@ def add_quant_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schemes", default="int8,int4-g128", help="comma list of weight schemes (mixed needs --kl-budget), and kv-int8 for the int8 KV cache")
     p.add_argument("--kl-budget", type=float, default=None, help="budget for the mixed plan")
     p.add_argument("--mixed-weight", default="int4-g128")
+    p.add_argument("--protect", default=None,
+                   help="comma-separated layers kept dense, as for kvyard quantize (default: lm_head; '' for none)")
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per measurement")
@@ -103,6 +106,7 @@ def run_quant_bench(args: argparse.Namespace) -> int:
     fidelity: dict[str, dict] = {}
     base = str(parse_dtype(args.dtype)).removeprefix("torch.")  # the unquantized model, e.g. bfloat16
     paths: dict[str, str] = {base: str(model_path)}
+    protect = DEFAULT_PROTECT if args.protect is None else tuple(p for p in args.protect.split(",") if p)
     kv_dtypes = {base: "auto"}
     for scheme in schemes:
         t0 = time.perf_counter()
@@ -116,7 +120,7 @@ def run_quant_bench(args: argparse.Namespace) -> int:
             continue
         r = quantize_model(QuantizeOptions(model=str(model_path), scheme=scheme, out=out_root / scheme,
                                            kl_budget=args.kl_budget, mixed_weight=args.mixed_weight,
-                                           dtype=args.dtype, sensitivity=scheme == "mixed"))
+                                           dtype=args.dtype, sensitivity=scheme == "mixed", protect=protect))
         fidelity[scheme] = {**_fidelity_row(r), "quantize_s": time.perf_counter() - t0}
         paths[scheme] = str(out_root / scheme)
         print(f"{scheme}: {json.dumps(fidelity[scheme])}", file=sys.stderr)
