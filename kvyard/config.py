@@ -29,6 +29,9 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
+
+
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m"
@@ -59,7 +62,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
-        if self.kv_cache_dtype not in ("auto", "int8"):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}",
                                       param="kv_cache_dtype")
         if self.quantization:

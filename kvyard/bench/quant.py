@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from kvyard.bench.decode_steps import timed_decode_steps
 from kvyard.bench.workload import random_workload
 from kvyard.config import EngineConfig, parse_dtype
 from kvyard.llm import LLM
@@ -69,20 +70,10 @@ def kv_bytes_per_token(llm: LLM) -> int:
 
 def decode_rate(llm: LLM, batch: int, input_len: int, steps: int) -> float:
     """Decode tokens per second of `batch` running requests, measured after all prompts are prefilled."""
-    eng = llm.engine
     work = random_workload(llm.tokenizer, batch, input_len, 1, seed=batch)
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    ids = [eng.add_request(p, params) for p in work.prompts]
-    while any(eng._tracked[i].req.num_output_tokens == 0 for i in ids):
-        eng.step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    rate = batch * steps / (time.perf_counter() - start)
-    for i in ids:
-        eng.abort_request(i)
-    eng.step()  # report the aborts, free the blocks
-    return rate
+    times = timed_decode_steps(llm, work.prompts, params, steps)
+    return batch * len(times) / sum(times)
 
 
 def _fidelity_row(r: QuantizeResult) -> dict:

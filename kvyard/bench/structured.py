@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kvyard.bench.decode_steps import timed_decode_steps
 from kvyard.config import EngineConfig
 from kvyard.llm import LLM
 from kvyard.sampling_params import SamplingParams
@@ -55,26 +56,11 @@ def add_structured_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def step_times(llm: LLM, batch: int, steps: int, constrained: bool) -> list[float]:
-    eng = llm.engine
     spec = StructuredOutput.json_schema(SCHEMA) if constrained else None
     params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=not constrained,
                             structured_output=spec)
     prompt = llm.chat_prompt([{"role": "user", "content": PROMPT}])
-    ids = [eng.add_request(prompt, params) for _ in range(batch)]
-    while any(eng._tracked[i].req.num_output_tokens == 0 for i in ids):
-        eng.step()
-    times = []
-    for _ in range(steps):
-        if any(eng._tracked[i].req.finished for i in ids):
-            break
-        start = time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - start)
-    for i in ids:
-        if i in eng._tracked:
-            eng.abort_request(i)
-    eng.step()
-    return times
+    return timed_decode_steps(llm, [prompt] * batch, params, steps)
 
 
 def compile_times(llm: LLM) -> dict[str, float]:

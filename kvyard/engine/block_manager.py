@@ -33,16 +33,19 @@ def block_hash(parent: bytes | None, tokens: tuple[int, ...], salt: bytes = b"")
     return h.digest()
 
 
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, salt: bytes,
+                        num_blocks: int) -> list[bytes]:
+    """Extend `hashes` (the chain so far) in place to the first `num_blocks` full blocks of `token_ids`."""
+    while len(hashes) < num_blocks:
+        i = len(hashes)
+        tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(block_hash(hashes[-1] if hashes else None, tokens, salt))
+    return hashes
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes = b"") -> list[bytes]:
     """The chained hashes of every full block of `token_ids`, as the engine registers them."""
-    out: list[bytes] = []
-    for i in range(len(token_ids) // block_size):
-        out.append(
-            block_hash(
-                out[-1] if out else None, tuple(token_ids[i * block_size : (i + 1) * block_size]), salt
-            )
-        )
-    return out
+    return extend_block_hashes([], token_ids, block_size, salt, len(token_ids) // block_size)
 
 
 @dataclass
@@ -162,13 +165,8 @@ class BlockManager:
 
     def _hashes(self, req: Request, num_blocks: int) -> list[bytes]:
         """The request's chained block hashes for its first `num_blocks` full blocks, extended lazily."""
-        bs = self.block_size
-        hashes = req.block_hashes
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            tokens = tuple(req.token_ids[i * bs : (i + 1) * bs])
-            hashes.append(block_hash(hashes[-1] if hashes else None, tokens, req.cache_salt))
-        return hashes[:num_blocks]
+        return extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, req.cache_salt,
+                                   num_blocks)[:num_blocks]
 
     def match_prefix(self, req: Request) -> list[int]:
         """Cached blocks that hold the longest prefix of the request's tokens.

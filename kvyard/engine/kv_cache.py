@@ -6,8 +6,6 @@ from kvyard.errors import InvalidRequestError
 from kvyard.models.config import ModelConfig
 from kvyard.models.kv_layer import LayerKV
 
-KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
-
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
     if kv_dtype == "int8":

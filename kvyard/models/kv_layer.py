@@ -70,7 +70,7 @@ class LayerKV:
     def read_blocks(self, blocks: torch.Tensor, block_size: int,
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole blocks (fewer, larger copies than slot by slot): [len(blocks) * block_size, kv_heads, head_dim]."""
-        heads, dim = self.k.shape[1], self.k.shape[2]
+        heads = self.k.shape[1]
 
         def gather(t: torch.Tensor) -> torch.Tensor:
             per_block = t.view(-1, block_size * heads, *t.shape[2:])  # scales have no head_dim axis
@@ -79,5 +79,5 @@ class LayerKV:
         k, v = gather(self.k), gather(self.v)
         if not self.quantized:
             return k, v
-        return (self._dequant(k, gather(self.k_scale), dtype).view(-1, heads, dim),  # type: ignore[arg-type]
-                self._dequant(v, gather(self.v_scale), dtype).view(-1, heads, dim))  # type: ignore[arg-type]
+        return (self._dequant(k, gather(self.k_scale), dtype),  # type: ignore[arg-type]
+                self._dequant(v, gather(self.v_scale), dtype))  # type: ignore[arg-type]

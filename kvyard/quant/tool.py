@@ -83,9 +83,9 @@ def check_options(opts: QuantizeOptions) -> QuantRequest:
 
 
 def _source_weight(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    # A tied model's head is its embedding table.
-    return tensors.get(name + ".weight", tensors.get("model.embed_tokens.weight")) if name == "lm_head" \
-        else tensors[name + ".weight"]
+    if name == "lm_head" and "lm_head.weight" not in tensors:
+        return tensors["model.embed_tokens.weight"]  # a tied model's head is its embedding table
+    return tensors[name + ".weight"]
 
 
 @dataclass
@@ -121,10 +121,9 @@ def quantize_model(opts: QuantizeOptions) -> QuantizeResult:
     ref = load_reference(opts)
     ckpt, tensors, calib, model, meter = ref.ckpt, ref.tensors, ref.calib, ref.model, ref.meter
     units = [u for u in linear_units(ckpt.config) if not is_protected(u, opts.protect)]
-    quantized = {
-        u.name: QuantizedTensor.cat([QuantizedTensor.quantize(_source_weight(tensors, m), req.weight) for m in u.members])
-        for u in units
-    }
+    # Each HF linear is quantized once: the search runs the fused units, the checkpoint stores the members.
+    members = {m: QuantizedTensor.quantize(_source_weight(tensors, m), req.weight) for u in units for m in u.members}
+    quantized = {u.name: QuantizedTensor.cat([members[m] for m in u.members]) for u in units}
     search = PlanSearch(UnitSwitch(model, quantized, units), meter, opts.kl_budget or float("inf"), opts.progress)
     result = QuantizeResult(req, {}, units, [], fidelity=None, dtype=opts.dtype)  # type: ignore[arg-type]
     if opts.sensitivity or req.mixed:
@@ -138,13 +137,14 @@ def quantize_model(opts: QuantizeOptions) -> QuantizeResult:
     result.fidelity = search.measure(set(result.chosen))
     result.plan = plan_for_units([u for u in units if u.name in set(result.chosen)], req.weight)
     if opts.out is not None:
-        result.out = save_quantized(ckpt, tensors, result, opts.out)
+        result.out = save_quantized(ckpt, tensors, members, result, opts.out)
         if opts.tool_eval:
             result.tool_json = tool_call_validity(ckpt.path, result.out, calib.tool_prompts)
     return result
 
 
-def save_quantized(ckpt: Checkpoint, tensors: dict[str, torch.Tensor], result: QuantizeResult, out: Path) -> Path:
+def save_quantized(ckpt: Checkpoint, tensors: dict[str, torch.Tensor], members: dict[str, QuantizedTensor],
+                   result: QuantizeResult, out: Path) -> Path:
     """safetensors + config.json (compressed-tensors quantization_config) + tokenizer + the plan."""
     out.mkdir(parents=True, exist_ok=True)
     state: dict[str, torch.Tensor] = {}
@@ -152,9 +152,8 @@ def save_quantized(ckpt: Checkpoint, tensors: dict[str, torch.Tensor], result: Q
     for name, t in tensors.items():
         if name.removesuffix(".weight") not in result.plan:
             state[name] = t.to(dense_dtype).contiguous()
-    for layer, scheme in result.plan.items():
-        qt = QuantizedTensor.quantize(_source_weight(tensors, layer), scheme)
-        state.update(qt.to_state_dict(layer + "."))
+    for layer in result.plan:
+        state.update(members[layer].to_state_dict(layer + "."))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     all_linear = [m for u in linear_units(ckpt.config) for m in u.members]
     config = {**ckpt.hf_config, "torch_dtype": str(dense_dtype).removeprefix("torch."),
