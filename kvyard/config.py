@@ -50,9 +50,11 @@ class EngineConfig:
     # needs no flag, its plan is in config.json.
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # auto (the model dtype) or int8 (a scale per token and head)
-    # Speculative decoding (kvyard/spec/): None, "ngram" (prompt lookup) or "draft" (speculative_model).
+    # Speculative decoding (kvyard/spec/): None, "ngram" (prompt lookup), "draft" (speculative_model) or
+    # "speculator" (a `kvyard speculator train` directory).
     speculative_method: str | None = None
     speculative_model: str | None = None  # the draft model: a name, HF directory or .gguf file
+    speculator: str | None = None  # a trained speculator directory, for this model only
     num_speculative_tokens: int = 4  # the most drafts per request and step (k_max)
     speculative_adaptive: bool = True  # adapt k per request to its acceptance
     speculative_max_batch: int = 8  # no speculation in a step where more requests decode than this
@@ -77,11 +79,17 @@ class EngineConfig:
     def _check_speculative(self) -> None:
         if self.speculative_model and self.speculative_method is None:
             self.speculative_method = "draft"  # a draft model alone says which method
-        if self.speculative_method not in (None, "ngram", "draft"):
-            raise InvalidRequestError(f"speculative_method must be ngram or draft, got {self.speculative_method!r}",
-                                      param="speculative_method")
+        if self.speculator and self.speculative_method is None:
+            self.speculative_method = "speculator"
+        if self.speculative_method not in (None, "ngram", "draft", "speculator"):
+            raise InvalidRequestError(
+                f"speculative_method must be ngram, draft or speculator, got {self.speculative_method!r}",
+                param="speculative_method")
         if self.speculative_method == "draft" and not self.speculative_model:
             raise InvalidRequestError("speculative_method draft needs speculative_model", param="speculative_model")
+        if self.speculative_method == "speculator" and not self.speculator:
+            raise InvalidRequestError("speculative_method speculator needs speculator (a directory)",
+                                      param="speculator")
         for name in ("num_speculative_tokens", "speculative_max_batch", "ngram_min", "ngram_max"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", param=name)

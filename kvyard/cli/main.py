@@ -52,20 +52,25 @@ def build_parser() -> argparse.ArgumentParser:
     from kvyard.cli.route import add_route_parsers
     from kvyard.cli.serve import add_serve_parser
     from kvyard.quant.cli import add_quantize_parser
+    from kvyard.spec.speculator.cli import add_speculator_parser
 
     add_serve_parser(sub)
     add_route_parsers(sub)
     add_quantize_parser(sub)
+    add_speculator_parser(sub)
 
     fetch = sub.add_parser("fetch", help="download and verify a known model, print its path")
     fetch.add_argument("name", nargs="?", default="smollm2-135m")
     fetch.set_defaults(func=cmd_fetch)
 
+    from kvyard.bench.disagg import add_disagg_bench_parser
+    from kvyard.bench.kv_transfer import add_kv_transfer_bench_parser
     from kvyard.bench.offline import add_offline_bench_parser
     from kvyard.bench.prefix import add_prefix_bench_parser
     from kvyard.bench.quant import add_quant_bench_parser
     from kvyard.bench.route import add_route_bench_parser
     from kvyard.bench.serve import add_serve_bench_parsers
+    from kvyard.bench.spec import add_spec_bench_parser
     from kvyard.bench.structured import add_structured_bench_parser
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -75,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_route_bench_parser(bench)
     add_quant_bench_parser(bench)
     add_structured_bench_parser(bench)
+    add_spec_bench_parser(bench)
+    add_disagg_bench_parser(bench)
+    add_kv_transfer_bench_parser(bench)
     return parser
 
 

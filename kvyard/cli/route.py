@@ -25,6 +25,9 @@ _ROUTER_FLAGS: list[tuple[str, type, str]] = [
     ("predicted_ttl", float, "seconds an assignment counts as cached before events confirm it (default 10)"),
     ("health_interval", float, "seconds between health checks (default 1)"),
     ("max_attempts", int, "workers a request is tried on when one fails before any byte (default 3)"),
+    ("disagg_threshold", int, "prefill remotely when at least this many prompt tokens are uncached (default 256)"),
+    ("max_prefills_in_flight", int, "prompts a prefill worker may have in progress before prefill stays local "
+                                    "(default 2)"),
     ("seed", int, "seed of the random choices"),
     ("log_level", str, "log level (default info)"),
 ]
@@ -53,7 +56,9 @@ def add_route_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     route.set_defaults(func=cmd_route)
 
     up = sub.add_parser("up", help="start N `kvyard serve` workers and the router in one command")
-    up.add_argument("--replicas", type=int, default=2)
+    up.add_argument("--replicas", type=int, default=2, help="colocated workers (role both)")
+    up.add_argument("--prefill", type=int, default=0, help="disaggregated: prefill workers (with --decode)")
+    up.add_argument("--decode", type=int, default=0, help="disaggregated: decode workers (with --prefill)")
     up.add_argument("--router-port", type=int, default=8000)
     up.add_argument(
         "--worker-port", type=int, default=None, help="first worker's port (default: router port + 1)"
@@ -99,11 +104,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     from kvyard.router.launcher import Cluster, ClusterSpec, split_args
     from kvyard.router.server import serve_router
 
+    disaggregated = bool(args.prefill or args.decode)
+    if disaggregated and (args.prefill < 1 or args.decode < 1):
+        print("kvyard up: error: a disaggregated deployment needs --prefill >= 1 and --decode >= 1", file=sys.stderr)
+        return 2
     if args.replicas < 1:
         print("kvyard up: error: --replicas must be >= 1", file=sys.stderr)
         return 2
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode if disaggregated else ["both"] * args.replicas
     spec = ClusterSpec(
-        replicas=args.replicas,
+        replicas=len(roles),
+        roles=roles,
         model=args.model,
         worker_port=args.worker_port or args.router_port + 1,
         host=args.host or "127.0.0.1",
@@ -122,7 +133,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         urls = cluster.start_workers()
         logging.getLogger("kvyard.up").info(
             "workers %s (%d threads each); router on port %d",
-            ", ".join(urls),
+            ", ".join(f"{u} ({r})" for u, r in zip(urls, spec.roles, strict=True)),
             spec.threads(),
             args.router_port,
         )

@@ -119,7 +119,19 @@ class BlockManager:
             req.block_table.append(self._pop_free())
 
     def free(self, req: Request) -> None:
-        for b in reversed(req.block_table):
+        self.release(req.block_table)
+        req.block_table = []
+        req.num_committed_blocks = 0
+
+    def hold(self, block_ids: Sequence[int]) -> list[int]:
+        """One more reference on each block (KV handed to another worker must outlive its request)."""
+        for b in block_ids:
+            self._take(b)
+        return list(block_ids)
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference per block; tails go back first, so they are evicted before heads."""
+        for b in reversed(block_ids):
             blk = self.blocks[b]
             blk.ref_count -= 1
             if blk.ref_count == 0:
@@ -127,8 +139,11 @@ class BlockManager:
                     self.free_plain.append(b)
                 else:
                     self.free_cached[b] = None
-        req.block_table = []
-        req.num_committed_blocks = 0
+
+    def forget(self, block_ids: Sequence[int]) -> None:
+        """Take blocks out of the prefix cache (their KV turned out not to be what their hash says)."""
+        for b in block_ids:
+            self._evict(self.blocks[b])
 
     def _take(self, b: int) -> None:
         blk = self.blocks[b]
@@ -191,6 +206,37 @@ class BlockManager:
         self.hit_tokens += len(hits) * self.block_size
         self.grow(req, num_tokens, hits)
 
+    def adopt(self, token_ids: Sequence[int], hashes: list[bytes]) -> list[tuple[int, int]]:
+        """Register KV computed elsewhere (a prefill worker) as cached blocks: (block index, block id) pairs.
+
+        Blocks already cached are skipped; the new ones come back referenced once, for the caller to fill
+        with KV and then `release`, after which they are ordinary cached blocks that a request hits. Only
+        as many as the free pool holds are taken, leading blocks first (a prefix is what a request can use).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        taken: list[tuple[int, int]] = []
+        present: list[int] = []  # cached already: pinned while we allocate, so the chain keeps no holes
+        for i, h in enumerate(hashes):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            b = self.cached.get(h)
+            if b is not None and self.blocks[b].tokens == tokens:
+                self._take(b)
+                present.append(b)
+                continue
+            if self.num_free_blocks == 0 or b is not None:
+                break  # no room, or a colliding hash: the rest of the chain is recomputed by its request
+            b = self._pop_free()
+            blk = self.blocks[b]
+            blk.hash, blk.tokens = h, tokens
+            self.cached[h] = b
+            taken.append((i, b))
+        self.release(present)
+        if self.events is not None and taken:
+            self._record_stored(token_ids, hashes, [i for i, _ in taken])
+        return taken
+
     def commit(self, req: Request) -> None:
         """Register the request's blocks that became full of computed KV, so later requests can reuse them."""
         if not self.enable_prefix_caching:
@@ -207,9 +253,9 @@ class BlockManager:
                     stored.append(i)
         req.num_committed_blocks = max(req.num_committed_blocks, full)
         if self.events is not None and stored:
-            self._record_stored(req, hashes, stored)
+            self._record_stored(req.token_ids, hashes, stored)
 
-    def _record_stored(self, req: Request, hashes: list[bytes], indices: list[int]) -> None:
+    def _record_stored(self, token_ids: Sequence[int], hashes: list[bytes], indices: list[int]) -> None:
         """One BlockStored event per run of consecutive block indices."""
         bs = self.block_size
         events = self.events
@@ -226,7 +272,7 @@ class BlockManager:
                 BlockStored(
                     block_hashes=hashes[first:end],
                     parent_hash=hashes[first - 1] if first else None,
-                    token_ids=list(req.token_ids[first * bs : end * bs]),
+                    token_ids=list(token_ids[first * bs : end * bs]),
                     block_size=bs,
                 )
             )

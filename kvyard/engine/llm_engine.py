@@ -12,6 +12,7 @@ import torch
 from kvyard.config import EngineConfig
 from kvyard.engine.block_manager import BlockManager
 from kvyard.engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
+from kvyard.engine.kv_handoff import HeldKV, select_blocks
 from kvyard.engine.model_runner import ModelRunner
 from kvyard.engine.repetition import RepetitionDetector
 from kvyard.engine.request import Request
@@ -80,6 +81,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, reported next step
         self._ids = itertools.count()
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
+        self.held: dict[str, HeldKV] = {}  # KV of finished prefill-only requests, until pulled (kv_handoff)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
 
     def _weights(self, ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
@@ -94,8 +96,10 @@ class LLMEngine:
         return self.tokenizer(prompt, add_special_tokens=True).input_ids
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+        hold_kv: bool = False,
     ) -> str:
+        """Queue a request; `hold_kv` keeps its full KV blocks when it finishes (see `held`)."""
         params = params or SamplingParams()
         params.validate()
         text = prompt if isinstance(prompt, str) else None
@@ -108,7 +112,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
+        req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids, hold_kv=hold_kv)
         if params.structured_output is not None:
             req.grammar = self._grammar_state(params.structured_output)
         detok = Detokenizer(self._fast_tokenizer, ids, params.stop, params.skip_special_tokens)
@@ -277,7 +281,43 @@ class LLMEngine:
             metrics["first_token_time"] = req.first_token_time
         if finished:
             del self._tracked[req.request_id]
+            if req.held_blocks:
+                n = len(req.held_blocks)
+                self.held[req.request_id] = HeldKV(req.request_id, req.held_blocks, req.block_hashes[:n],
+                                                   req.token_ids[: n * self.cfg.block_size])
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, metrics)
+
+    # ---- KV handoff (prefill/decode disaggregation) ---------------------------------------------------
+
+    def release_kv(self, request_id: str) -> bool:
+        """Drop the hold on a finished request's KV blocks (pulled, or given up on)."""
+        held = self.held.pop(request_id, None)
+        if held is None:
+            return False
+        self.blocks.release(held.block_ids)
+        return True
+
+    def adopt_kv(self, token_ids: list[int], block_hashes: list[bytes], tensors: list[list[torch.Tensor]]) -> int:
+        """Put KV blocks computed by another worker into the prefix cache; returns how many were new.
+
+        `tensors` is per layer, block after block (kvyard/disagg/blocks.py). A request for the same prompt
+        added after this hits the blocks like any cached prefix.
+        """
+        from kvyard.disagg.blocks import scatter_blocks
+
+        taken = self.blocks.adopt(token_ids, block_hashes)
+        if not taken:
+            return 0
+        ids = [b for _, b in taken]
+        try:
+            scatter_blocks(self.runner.kv_caches, ids, self.cfg.block_size,
+                           select_blocks(tensors, [i for i, _ in taken], self.cfg.block_size))
+        except BaseException:
+            self.blocks.forget(ids)  # never leave a registered block holding KV it did not get
+            raise
+        finally:
+            self.blocks.release(ids)
+        return len(ids)
 
     # ---- scoring -------------------------------------------------------------------------------------
 

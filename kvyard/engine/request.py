@@ -45,6 +45,10 @@ class Request:
     grammar: "GrammarState | None" = None  # set when params.structured_output constrains the output
     # Drafted tokens to verify this step (kvyard/spec/); never part of token_ids until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Prefill/decode disaggregation: a prefill worker's request keeps its full blocks referenced when it
+    # finishes (`held_blocks`), until the decode worker has pulled them (kvyard/engine/kv_handoff.py).
+    hold_kv: bool = False
+    held_blocks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

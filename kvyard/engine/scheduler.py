@@ -49,6 +49,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if req.hold_kv and reason in ("stop", "length"):
+            req.held_blocks = self.blocks.hold(req.block_table[: req.num_committed_blocks])
         self.blocks.free(req)
 
     def schedule(self) -> ScheduledBatch:

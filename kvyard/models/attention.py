@@ -1,4 +1,4 @@
-"""Attention over a paged KV cache: gather the context's slots, then one SDPA call per group.
+"""Attention over a paged KV cache: gather the context's blocks, then one SDPA call per group.
 
 The KV cache of a layer (LayerKV) holds flat slots `[num_blocks * block_size, kv_heads, head_dim]`; a
 request's block table maps its positions to slots. A step's tokens are laid out decodes first (one
@@ -29,7 +29,9 @@ class AttentionMetadata:
     block_size: int = 16
     num_decodes: int = 0
     decode_blocks: torch.Tensor | None = None  # [decodes, max_blocks] block ids (padding points at block 0)
-    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_blocks * block_size] bool, True = attend
+    # [decodes, 1, 1, max_blocks * block_size]: additive (0 / -inf, the model's dtype, so SDPA need not
+    # convert it in every layer) or bool (True = attend).
+    decode_mask: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -47,37 +49,47 @@ def paged_attention(
     cache: LayerKV,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
+    """Write the new K/V, attend; returns [tokens, heads, head_dim]."""
     cache.write(meta.slot_mapping, k, v)
-    tokens, heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    out = torch.empty_like(q)
     nd = meta.num_decodes
+    if not meta.prefills:  # a pure decode step: no output buffer to assemble
+        return decode_attention(q, cache, meta)
+    out = torch.empty_like(q)
     if nd:
-        # Grouped-query trick: a decode query's heads that share one KV head become that head's
-        # "query rows", so SDPA needs no repeated K/V.
-        group = heads // kv_heads
-        qd = q[:nd].view(nd, kv_heads, group, head_dim)
-        width = meta.decode_blocks.shape[1] * meta.block_size
-        kd, vd = cache.read_blocks(meta.decode_blocks.view(-1), meta.block_size, q.dtype)
-        kd, vd = kd.view(nd, width, kv_heads, head_dim), vd.view(nd, width, kv_heads, head_dim)
-        od = F.scaled_dot_product_attention(
-            qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask
-        )
-        out[:nd] = od.reshape(nd, heads, head_dim)
+        out[:nd] = decode_attention(q[:nd], cache, meta)
     for span in meta.prefills:
-        qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
-        if span.context_slots is None:
-            ks, vs, mask, causal = k[span.start : span.end], v[span.start : span.end], None, True
-        else:
-            ks, vs = cache.read_slots(span.context_slots, q.dtype)
-            mask, causal = span.mask, False
-        os_ = F.scaled_dot_product_attention(
-            qs,
-            ks.transpose(0, 1).unsqueeze(0),
-            vs.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=causal,
-            enable_gqa=True,
-        )
-        out[span.start : span.end] = os_.squeeze(0).transpose(0, 1)
+        out[span.start : span.end] = prefill_attention(q, k, v, cache, span)
     return out
+
+
+def decode_attention(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+    """One query per row against its whole context, all rows in one SDPA call over padded, masked blocks."""
+    nd, heads, head_dim = q.shape
+    blocks = meta.decode_blocks
+    width = blocks.shape[1] * meta.block_size  # type: ignore[union-attr]
+    k, v = cache.read_blocks(blocks.view(-1), meta.block_size, q.dtype)  # type: ignore[union-attr]
+    kv_heads = k.shape[1]
+    k = k.view(nd, width, kv_heads, head_dim).transpose(1, 2)
+    v = v.view(nd, width, kv_heads, head_dim).transpose(1, 2)
+    # enable_gqa: SDPA maps query heads onto their KV head without repeating K/V in memory.
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, enable_gqa=True)
+    return o.reshape(nd, heads, head_dim)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
+                      span: PrefillSpan) -> torch.Tensor:
+    """A chunk's causal attention over its own K/V, or over its whole cached context."""
+    qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
+    if span.context_slots is None:
+        ks, vs = k[span.start : span.end], v[span.start : span.end]
+    else:
+        ks, vs = cache.read_slots(span.context_slots, q.dtype)
+    o = F.scaled_dot_product_attention(
+        qs,
+        ks.transpose(0, 1).unsqueeze(0),
+        vs.transpose(0, 1).unsqueeze(0),
+        attn_mask=span.mask if span.context_slots is not None else None,
+        is_causal=span.context_slots is None,
+        enable_gqa=True,
+    )
+    return o.squeeze(0).transpose(0, 1)

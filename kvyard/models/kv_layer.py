@@ -12,9 +12,10 @@ import torch
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [tokens, heads, dim] -> int8 values and a float32 scale per [tokens, heads]."""
-    scale = x.float().abs().amax(-1) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(x.float() / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    xf = x.float()
+    scale = xf.abs().amax(-1).div_(127.0)
+    scale.masked_fill_(scale == 0, 1.0)  # an all-zero row: any scale reads it back as zeros
+    q = (xf / scale.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)
     return q, scale
 
 
@@ -51,13 +52,16 @@ class LayerKV:
             self.k.index_copy_(0, slots, k)
             self.v.index_copy_(0, slots, v)
             return
-        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            q, s = quantize_rows(x)
-            cache.index_copy_(0, slots, q)
-            scales.index_copy_(0, slots, s)  # type: ignore[union-attr]
+        # K and V quantized in one go: the per-row ops are the same, and a layer's op count adds up.
+        heads = k.shape[1]
+        q, s = quantize_rows(torch.cat([k, v], dim=1))
+        self.k.index_copy_(0, slots, q[:, :heads])
+        self.v.index_copy_(0, slots, q[:, heads:])
+        self.k_scale.index_copy_(0, slots, s[:, :heads])  # type: ignore[union-attr]
+        self.v_scale.index_copy_(0, slots, s[:, heads:])  # type: ignore[union-attr]
 
     def _dequant(self, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return (q.to(torch.float32) * s.unsqueeze(-1)).to(dtype)
+        return q.to(torch.float32).mul_(s.unsqueeze(-1)).to(dtype)
 
     def read_slots(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the given slots, [len(slots), kv_heads, head_dim] in `dtype`."""

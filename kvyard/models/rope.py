@@ -36,23 +36,34 @@ def _llama3_inverse_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor
 
 
 class RotaryTable:
-    """cos/sin for every position, computed once; a step gathers its positions once for all layers."""
+    """cos/sin for every position, computed once; a step gathers its positions once for all layers.
+
+    The sin table carries rotate-half's sign (-sin on the first half), so that applying the rotation
+    needs a roll instead of negate + concatenate.
+    """
 
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device):
         inv_freq = inverse_frequencies(cfg)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        self.cos = torch.cat([freqs, freqs], dim=-1).cos().to(device)
+        self.signed_sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device)
+        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return cos, sin shaped [tokens, 1, head_dim] for broadcasting over heads."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """Return cos and signed sin shaped [tokens, 1, head_dim] for broadcasting over heads."""
+        if dtype not in self._cast:  # cast the tables once, not every step
+            self._cast[dtype] = (self.cos.to(dtype), self.signed_sin.to(dtype))
+        cos, sin = self._cast[dtype]
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim], HF's rotate-half convention."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """x: [tokens, heads, head_dim], HF's rotate-half convention; `out` may be x itself (in place).
+
+    rotate_half(x) * sin == roll(x, half) * signed_sin exactly (negation is exact), and each product is
+    rounded before the sum, as in HF, so the result is bit-identical to transformers' in any dtype.
+    """
+    rotated = x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin)
+    return torch.add(x * cos, rotated, out=out)

@@ -21,9 +21,10 @@ from fastapi.responses import JSONResponse
 
 from kvyard import __version__
 from kvyard.router.config import RouterSettings
+from kvyard.router.disagg import RemotePrefill
 from kvyard.router.handshake import HandshakeError
 from kvyard.router.placement import Placement, route_request
-from kvyard.router.policies import make_policy
+from kvyard.router.policies import LeastLoaded, make_policy
 from kvyard.router.predicted import PredictedCache
 from kvyard.router.prefix_index import PrefixIndex
 from kvyard.router.prompts import PromptTokenizer
@@ -42,6 +43,8 @@ class RouterState:
     proxy: Proxy
     prompts: PromptTokenizer
     registering: "asyncio.Task[None]"
+    remote_prefill: RemotePrefill
+    by_load: LeastLoaded
 
     @classmethod
     def start(cls, settings: RouterSettings, tokenizer: Any) -> "RouterState":
@@ -58,7 +61,9 @@ class RouterState:
         proxy = Proxy(placement, registry, client, settings.max_attempts)
         registering = asyncio.create_task(registry.register_all())
         registry.start()
-        return cls(settings, client, registry, placement, proxy, PromptTokenizer(tokenizer), registering)
+        remote = RemotePrefill(settings, registry, placement, client)
+        return cls(settings, client, registry, placement, proxy, PromptTokenizer(tokenizer), registering, remote,
+                   LeastLoaded())
 
     async def stop(self) -> None:
         self.registering.cancel()
@@ -97,7 +102,13 @@ def build_router_app(settings: RouterSettings, tokenizer: Any) -> FastAPI:
         block_size = st.registry.block_size
         tokens = await st.prompts.token_ids(path, body) if block_size else None
         req = route_request(tokens, block_size or 1)
-        return await st.proxy.forward(path, raw, body.get("stream") is True, req, dict(request.headers))
+        policy = None
+        kv_params = await st.remote_prefill.prefill(req, tokens)
+        if kv_params is not None:
+            # The decode worker will hold the whole prompt once the KV arrives: only its load matters.
+            body["kv_transfer_params"] = kv_params
+            raw, policy = json.dumps(body).encode(), st.by_load
+        return await st.proxy.forward(path, raw, body.get("stream") is True, req, dict(request.headers), policy)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -110,7 +121,7 @@ def build_router_app(settings: RouterSettings, tokenizer: Any) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         st = state()
-        for w in st.registry.routable():
+        for w in st.placement.live():
             try:
                 r = await st.client.get(
                     w.url + "/v1/models",

@@ -29,6 +29,11 @@ class RouterSettings:
     max_attempts: int = 3  # workers a request is tried on when connecting fails before any byte
     request_timeout: float = 600.0
     register_timeout: float = 300.0  # how long startup waits for every worker to answer the handshake
+    # Prefill/decode disaggregation (when prefill workers are registered): a prompt is prefilled remotely when
+    # at least this many of its tokens are cached on no decode worker, and a prefill worker has fewer than
+    # `max_prefills_in_flight` prompts in progress; otherwise its decode worker prefills it locally.
+    disagg_threshold: int = 256
+    max_prefills_in_flight: int = 2
     seed: int | None = None  # seeds the random choices (random policy, ties, softmax)
     log_level: str = "info"
 
@@ -46,6 +51,8 @@ class RouterSettings:
             ("health_interval", self.health_interval > 0, "must be > 0"),
             ("dead_after", self.dead_after >= 1, "must be >= 1"),
             ("max_attempts", self.max_attempts >= 1, "must be >= 1"),
+            ("disagg_threshold", self.disagg_threshold >= 0, "must be >= 0"),
+            ("max_prefills_in_flight", self.max_prefills_in_flight >= 1, "must be >= 1"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -24,14 +24,26 @@ from kvyard.errors import KvyardError
 class ClusterSpec:
     replicas: int
     model: str
+    # Per worker: both (colocated), or prefill / decode for a disaggregated deployment (`--prefill N --decode M`).
+    roles: list[str] = field(default_factory=list)
     worker_port: int = 8001  # the first worker's; the others follow
     host: str = "127.0.0.1"
     num_threads: int | None = None  # per worker; default: the cores split evenly
     serve_args: list[str] = field(default_factory=list)  # more `kvyard serve` flags for every worker
     log_dir: Path | None = None  # worker logs go here; None: inherit our stdout/stderr
 
+    def __post_init__(self) -> None:
+        self.roles = self.roles or ["both"] * self.replicas
+        self.replicas = len(self.roles)
+
     def threads(self) -> int:
-        return self.num_threads or max(1, (os.cpu_count() or 1) // self.replicas)
+        if self.num_threads:
+            return self.num_threads
+        if "prefill" in self.roles:
+            # Prefill and decode workers take turns more than they compete: each gets every core (measured
+            # against a split in BENCHMARKS.md, "Prefill/decode disaggregation").
+            return os.cpu_count() or 1
+        return max(1, (os.cpu_count() or 1) // self.replicas)
 
     def worker_urls(self) -> list[str]:
         return [f"http://{self.host}:{self.worker_port + i}" for i in range(self.replicas)]
@@ -94,10 +106,13 @@ class Cluster:
                 "0",
                 "--num-threads",
                 str(s.threads()),
+                "--role",
+                s.roles[i],
+                *(["--kv-transfer-port", "0"] if s.roles[i] == "prefill" else []),
                 *s.serve_args,
             )
             log = s.log_dir / f"worker{i}.log" if s.log_dir else None
-            self.workers.append(ChildProcess(f"worker {i} ({url})", cmd, log))
+            self.workers.append(ChildProcess(f"{s.roles[i]} worker {i} ({url})", cmd, log))
         return s.worker_urls()
 
     def start_router(self, port: int, policy: str, route_args: list[str] = ()) -> str:  # type: ignore[assignment]

@@ -84,6 +84,13 @@ class RouterMetrics:
             ["worker", "reason"],
             registry=r,
         )
+        self.disagg = Counter(
+            "kvyard_router_disagg_decisions",
+            "Where each prompt was prefilled: remote (a prefill worker), or local and why (short: few uncached "
+            "tokens, saturated: every prefill worker busy, prefill_failed: the prefill worker failed)",
+            ["decision"],
+            registry=r,
+        )
         self.events = Counter(
             "kvyard_router_kv_events", "KV events applied to the prefix index", ["worker"], registry=r
         )

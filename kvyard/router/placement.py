@@ -44,16 +44,31 @@ class Placement:
     def holds(self, worker: str, h: bytes) -> bool:
         return self.index.holds(worker, h) or self.predicted.holds(worker, h)
 
-    def pick(self, req: RouteRequest, exclude: set[str] = frozenset()) -> Decision | None:  # type: ignore[assignment]
-        live = [w for w in self.registry.routable() if w.url not in exclude]
+    def live(self, pool: str = "decode") -> list[Worker]:
+        return [w for w in self.registry.routable() if w.serves(pool)]
+
+    def overlaps(self, req: RouteRequest, workers: list[Worker]) -> dict[str, int]:
+        return leading_overlap(req.hashes[: req.matchable], [w.url for w in workers], self.holds)
+
+    def pick(
+        self,
+        req: RouteRequest,
+        exclude: set[str] = frozenset(),  # type: ignore[assignment]
+        live: list[Worker] | None = None,
+        policy: Policy | None = None,
+        count_hits: bool = True,
+    ) -> Decision | None:
+        """Choose among `live` (default: the decode pool) with `policy` (default: the router's)."""
+        live = [w for w in (self.live() if live is None else live) if w.url not in exclude]
         if not live:
             return None
-        overlaps = leading_overlap(req.hashes[: req.matchable], [w.url for w in live], self.holds)
+        policy = policy or self.policy
+        overlaps = self.overlaps(req, live)
         candidates = [Candidate(w, overlaps[w.url]) for w in live]
-        chosen, reason = self.policy.choose(req, candidates)
+        chosen, reason = policy.choose(req, candidates)
         oracle = max(overlaps.values())
-        self.metrics.decisions.labels(self.policy.name, reason).inc()
-        if not exclude:  # count each request once, not once per retry
+        self.metrics.decisions.labels(policy.name, reason).inc()
+        if count_hits and not exclude:  # count each request once, not once per retry
             self.metrics.blocks.labels("queried").inc(req.matchable)
             self.metrics.blocks.labels("predicted_hit").inc(chosen.overlap)
             self.metrics.blocks.labels("oracle_hit").inc(oracle)

@@ -17,7 +17,7 @@ import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvyard.router.placement import Decision, Placement
-from kvyard.router.policies import RouteRequest
+from kvyard.router.policies import Policy, RouteRequest
 from kvyard.router.registry import WorkerRegistry
 from kvyard.router.worker import Worker
 
@@ -84,13 +84,15 @@ class Proxy:
         self.metrics = registry.metrics
 
     async def forward(
-        self, path: str, raw: bytes, stream: bool, req: RouteRequest, headers: dict[str, str]
+        self, path: str, raw: bytes, stream: bool, req: RouteRequest, headers: dict[str, str],
+        policy: Policy | None = None,
     ) -> Response:
+        """Place the request (with `policy`, default the router's) and relay the worker's answer."""
         fwd = {k: v for k, v in headers.items() if k.lower() in _FORWARD_HEADERS}
         tried: set[str] = set()
         last_error = "no worker is healthy"
         for _ in range(self.max_attempts):
-            d = self.placement.pick(req, tried)
+            d = self.placement.pick(req, tried, policy=policy)
             if d is None:
                 break
             if tried:

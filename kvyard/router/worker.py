@@ -29,8 +29,19 @@ class Worker:
     waiting: float = 0.0
     prefix_queries: float = 0.0  # prompt tokens it looked up in its prefix cache
     prefix_hits: float = 0.0
+    prefills_in_flight: int = 0  # prompts this router is having it prefill for a decode worker
     # Set when the worker is declared dead, so its in-flight requests stop waiting for it at once.
     dead: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def role(self) -> str:
+        return self.config.role if self.config else "both"
+
+    def serves(self, pool: str) -> bool:
+        """Whether the worker belongs to a pool: `decode` (generates) or `prefill` (prefills for others)."""
+        if pool == "prefill":
+            return self.role != "decode" and self.config is not None and self.config.kv_transfer_endpoint is not None
+        return self.role != "prefill"
 
     @property
     def routable(self) -> bool:
@@ -43,6 +54,7 @@ class Worker:
     def describe(self) -> dict[str, object]:
         return {
             "url": self.url,
+            "role": self.role,
             "status": self.status.value,
             "error": self.error,
             "in_flight": self.in_flight,

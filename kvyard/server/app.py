@@ -45,7 +45,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, ctx)
 
-    install_kv_routes(app, engine, settings, ctx.model_name)  # /kv/config, /kv/snapshot, event publisher
+    install_kv_routes(app, engine, settings, ctx.model_name, ctx.disagg)  # /kv/config, /kv/snapshot, event publisher
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -33,8 +33,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kvyard.config import EngineConfig
 from kvyard.engine.kv_events import KVEvent
+from kvyard.engine.kv_handoff import HeldKV
 from kvyard.engine.llm_engine import LLMEngine
 from kvyard.errors import EngineDeadError, KvyardError
 from kvyard.outputs import RequestOutput
@@ -73,6 +76,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_open_requests: int = 0  # accepted requests whose final output has not been delivered yet
+    num_held_kv: int = 0  # finished prefill-only requests whose KV waits to be pulled (disaggregation)
     # Speculative decoding (kvyard/spec/stats.py); all zero when it is off.
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -94,12 +98,30 @@ class _Sink:
 
 
 @dataclass
+class ReceivedKV:
+    """KV blocks pulled from a prefill worker, to adopt into the prefix cache just before the request."""
+
+    token_ids: list[int]
+    block_hashes: list[bytes]
+    tensors: list[list[torch.Tensor]]  # per layer, block after block (kvyard/disagg/blocks.py)
+
+
+@dataclass
 class _Add:
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
     sink: _Sink
     done: "concurrent.futures.Future[None]"
+    hold_kv: bool = False
+    received: ReceivedKV | None = None
+
+
+@dataclass
+class _HeldKV:
+    request_id: str
+    release: bool  # True: drop the hold; False: report it
+    done: "concurrent.futures.Future[HeldKV | None] | None" = None
 
 
 @dataclass
@@ -128,7 +150,10 @@ class AsyncEngine:
         self.model_name = engine.cfg.model
         self.block_size = engine.cfg.block_size
         self.enable_prefix_caching = engine.cfg.enable_prefix_caching
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop | _EnableKVEvents] = queue.SimpleQueue()
+        # The KV tensors themselves, for the KV transfer layer's thread (kvyard/disagg/): it reads only
+        # blocks the engine holds for it, which the engine never writes while they are held.
+        self.kv_caches = engine.runner.kv_caches
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop | _EnableKVEvents | _HeldKV] = queue.SimpleQueue()
         self._kv_sink: Callable[[list[KVEvent]], None] | None = None
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._pending = 0
@@ -160,11 +185,14 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         sink: "asyncio.Queue[SinkItem] | None" = None,
+        hold_kv: bool = False,
+        received: ReceivedKV | None = None,
     ) -> "asyncio.Queue[SinkItem]":
         """Submit a request; return the queue its outputs arrive on once the engine has accepted it.
 
         Several requests may share one `sink` (their outputs carry their request ids). Raises the
-        engine's typed error when it rejects the request.
+        engine's typed error when it rejects the request. `hold_kv` keeps its KV when it finishes (see
+        `held_kv`); `received` KV is adopted into the prefix cache first (prefill/decode disaggregation).
         """
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
@@ -173,7 +201,8 @@ class AsyncEngine:
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._pending_lock:
             self._pending += 1
-        self._commands.put(_Add(request_id, prompt, params, _Sink(asyncio.get_running_loop(), sink), done))
+        self._commands.put(_Add(request_id, prompt, params, _Sink(asyncio.get_running_loop(), sink), done,
+                                hold_kv, received))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -183,11 +212,11 @@ class AsyncEngine:
         return sink
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, hold_kv: bool = False
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until the final one; leaving early aborts the request."""
         request_id = request_id or f"async-{next(self._ids)}"
-        sink = await self.add_request(prompt, params, request_id)
+        sink = await self.add_request(prompt, params, request_id, hold_kv=hold_kv)
         finished = False
         try:
             while not finished:
@@ -206,6 +235,16 @@ class AsyncEngine:
         done: concurrent.futures.Future[set[bytes]] = concurrent.futures.Future()
         self._commands.put(_EnableKVEvents(sink, done))
         return done
+
+    async def held_kv(self, request_id: str) -> HeldKV | None:
+        """The blocks a finished `hold_kv` request kept (None when it kept none)."""
+        done: concurrent.futures.Future[HeldKV | None] = concurrent.futures.Future()
+        self._commands.put(_HeldKV(request_id, release=False, done=done))
+        return await asyncio.wrap_future(done)
+
+    def release_kv_nowait(self, request_id: str) -> None:
+        """Drop a finished request's held KV blocks; callable from any thread (the transfer layer's)."""
+        self._commands.put(_HeldKV(request_id, release=True))
 
     def abort_nowait(self, request_id: str) -> None:
         """Abort from anywhere, without awaiting (safe in `finally` blocks of cancelled tasks)."""
@@ -255,6 +294,8 @@ class AsyncEngine:
                 elif isinstance(cmd, _EnableKVEvents):
                     self._kv_sink = cmd.sink
                     cmd.done.set_result(self._engine.blocks.enable_events())
+                elif isinstance(cmd, _HeldKV):
+                    self._held_kv(cmd)
                 else:
                     self._abort(cmd.request_id)
                 cmd = self._commands.get_nowait()
@@ -270,13 +311,25 @@ class AsyncEngine:
     def _add(self, cmd: _Add) -> None:
         if not cmd.done.set_running_or_notify_cancel():
             return  # the caller gave up before we got here
+        if cmd.received is not None:
+            kv = cmd.received
+            try:
+                self._engine.adopt_kv(kv.token_ids, kv.block_hashes, kv.tensors)
+            except Exception:  # the request recomputes what it cannot hit; it must not fail for this
+                log.exception("%s: adopting received KV failed; prefilling locally", cmd.request_id)
         try:
-            self._engine.add_request(cmd.prompt, cmd.params, cmd.request_id)
+            self._engine.add_request(cmd.prompt, cmd.params, cmd.request_id, hold_kv=cmd.hold_kv)
         except Exception as e:  # typed validation errors travel back as they are
             cmd.done.set_exception(e)
             return
         self._sinks[cmd.request_id] = cmd.sink
         cmd.done.set_result(None)
+
+    def _held_kv(self, cmd: _HeldKV) -> None:
+        if cmd.release:
+            self._engine.release_kv(cmd.request_id)
+        elif cmd.done is not None and cmd.done.set_running_or_notify_cancel():
+            cmd.done.set_result(self._engine.held.get(cmd.request_id))
 
     def _abort(self, request_id: str) -> None:
         try:
@@ -340,6 +393,7 @@ class AsyncEngine:
             prompt_tokens=stats["prompt_tokens"],
             generation_tokens=stats["generation_tokens"],
             num_open_requests=len(self._sinks),
+            num_held_kv=len(eng.held),
         )
         if eng.spec is not None:
             spec = eng.spec.stats

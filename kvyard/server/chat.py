@@ -63,7 +63,7 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
             params = replace(params, structured_output=constraint)
         run = EngineRun(ctx, new_id("chatcmpl"), arrival, guard, streaming=bool(body.stream))
         try:
-            await run.start([prompt], params)
+            await run.start([prompt], params, body.kv_transfer_params)
         except PromptTooLongError as e:
             raise PromptTooLongError(str(e), param="messages") from None  # a chat request has no `prompt`
     if body.stream:

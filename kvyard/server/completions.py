@@ -48,7 +48,7 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
             params = replace(params, structured_output=await ctx.grammars.compile(constraint))
         prompts = await _prompt_ids(ctx, body.prompt)
         run = EngineRun(ctx, new_id("cmpl"), arrival, guard, streaming=bool(body.stream))
-        await run.start(prompts, params)
+        await run.start(prompts, params, body.kv_transfer_params)
     if body.stream:
         return EventStreamResponse(_stream(ctx, run, model, body), on_close=run.close)
     try:

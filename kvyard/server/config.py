@@ -26,6 +26,8 @@ from kvyard.config import EngineConfig, parse_bytes
 from kvyard.errors import ConfigError, InvalidRequestError
 from kvyard.server.repetition import RepetitionGuard, guard_setting
 
+ROLES = ("both", "prefill", "decode")
+
 
 @dataclass
 class ServerSettings:
@@ -44,6 +46,13 @@ class ServerSettings:
     repetition_guard: RepetitionGuard | dict[str, Any] | None = None
     # Publish KV cache events for a cache-aware router on this ZeroMQ port (0: any free port); None: off.
     kv_events_port: int | None = None
+    # Prefill/decode disaggregation (kvyard/server/disagg.py). prefill: computes prompts' KV for decode
+    # workers (POST /kv/prefill); decode: pulls KV named by a request's `kv_transfer_params`; both: either.
+    role: str = "both"
+    kv_transfer_port: int | None = None  # the prefill side's ZeroMQ port for KV pulls (0: any free port)
+    kv_transfer_mode: str = "blocks"  # blocks: one message per transfer; layers: one per layer, pipelined
+    kv_hold_timeout: float = 30.0  # seconds a prefill worker keeps KV nobody has pulled
+    kv_fetch_timeout: float = 10.0  # seconds a decode worker waits for a pull before prefilling itself
 
     def __post_init__(self) -> None:
         self.max_body_bytes = parse_bytes(self.max_body_bytes)
@@ -58,6 +67,12 @@ class ServerSettings:
             ("request_timeout", self.request_timeout is None or self.request_timeout > 0, "must be > 0"),
             ("drain_timeout", self.drain_timeout >= 0, "must be >= 0"),
             ("api_key", self.api_key is None or bool(self.api_key), "must not be empty"),
+            ("role", self.role in ROLES, f"must be one of {', '.join(ROLES)}"),
+            ("kv_transfer_port", self.kv_transfer_port is None or 0 <= self.kv_transfer_port <= 65535,
+             "must be in [0, 65535]"),
+            ("kv_transfer_mode", self.kv_transfer_mode in ("blocks", "layers"), "must be blocks or layers"),
+            ("kv_hold_timeout", self.kv_hold_timeout > 0, "must be > 0"),
+            ("kv_fetch_timeout", self.kv_fetch_timeout > 0, "must be > 0"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from kvyard.server.async_engine import AsyncEngine
 from kvyard.server.config import ServerSettings
+from kvyard.server.disagg import Disaggregation
 from kvyard.server.errors import APIError
 from kvyard.server.guards import Admission, DrainState
 from kvyard.server.metrics import ServerMetrics
@@ -22,6 +23,7 @@ class ServerContext:
     drain: DrainState
     model_name: str
     grammars: GrammarService
+    disagg: Disaggregation
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -37,6 +39,7 @@ class ServerContext:
             drain=DrainState(),
             model_name=settings.served_model_name or engine.model_name,
             grammars=GrammarService(engine, tokenizer),
+            disagg=Disaggregation(engine, settings, metrics.registry),
         )
 
     def check_model(self, name: str | None) -> str:

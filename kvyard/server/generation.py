@@ -20,7 +20,7 @@ from kvyard.sampling_params import SamplingParams
 from kvyard.server.async_engine import RequestFailedError, SinkItem
 from kvyard.server.context import ServerContext
 from kvyard.server.errors import APIError, from_kvyard_error
-from kvyard.server.protocol import SamplingFields
+from kvyard.server.protocol import KVTransferParams, SamplingFields
 from kvyard.server.repetition import RepetitionGuard, request_guard
 from kvyard.server.sse import DONE, ClientDisconnected
 
@@ -99,11 +99,16 @@ class EngineRun:
         self._closed = False
         self._interrupted: APIError | None = None
 
-    async def start(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        """Submit every choice together (one trip to the engine thread); all are accepted or none."""
+    async def start(self, prompts: list[list[int]], params: SamplingParams,
+                    kv_transfer: KVTransferParams | None = None) -> None:
+        """Submit every choice together (one trip to the engine thread); all are accepted or none.
+
+        With `kv_transfer`, the prompt's KV is pulled from a prefill worker first (kvyard/server/disagg.py).
+        """
         n = params.n
         if len(prompts) * n > MAX_CHOICES:
             raise InvalidRequestError(f"prompts x n must not exceed {MAX_CHOICES}", param="n")
+        received = await self.ctx.disagg.receive(prompts, kv_transfer)
         submits = []
         for p, ids in enumerate(prompts):
             for i in range(n):
@@ -112,7 +117,9 @@ class EngineRun:
                 # n > 1: each copy its own seed, so seeded choices differ yet stay reproducible.
                 copy = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
                 self.choices[rid] = Choice(index, p, rid, ids, copy, prompt_tokens=len(ids))
-                submits.append(self.ctx.engine.add_request(ids, copy, rid, sink=self.queue))
+                # Only the first add carries the KV: it is adopted into the prefix cache, the rest hit it.
+                kv, received = received, None
+                submits.append(self.ctx.engine.add_request(ids, copy, rid, sink=self.queue, received=kv))
         self.ctx.drain.runs.add(self)
         results = await asyncio.gather(*submits, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]

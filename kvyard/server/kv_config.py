@@ -34,6 +34,8 @@ class KVConfig(msgspec.Struct, frozen=True):
     enable_prefix_caching: bool = True
     instance_id: str = ""  # new on every start of the worker, so a restart is visible
     events_endpoint: str | None = None  # tcp://host:port of the KV event PUB socket; None: no events
+    role: str = "both"  # prefill / decode / both (disaggregated serving, kvyard/server/disagg.py)
+    kv_transfer_endpoint: str | None = None  # where decode workers pull this worker's prefilled KV
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -7,13 +7,15 @@ lives on `app.state.kv_events` and whoever runs the app closes it (`lifecycle.se
 import uuid
 
 import msgspec
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 
 from kvyard.server.async_engine import AsyncEngine
 from kvyard.server.config import ServerSettings
+from kvyard.server.disagg import Disaggregation, PrefillRequest
 from kvyard.server.errors import APIError
 from kvyard.server.kv_config import local_kv_config
 from kvyard.server.kv_events import KVEventPublisher
+from kvyard.server.protocol import read_body
 
 _ATTACH_TIMEOUT_S = 30.0
 
@@ -30,7 +32,8 @@ def start_publisher(engine: AsyncEngine, settings: ServerSettings) -> KVEventPub
     return publisher
 
 
-def install_kv_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings, model_name: str) -> None:
+def install_kv_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings, model_name: str,
+                      disagg: Disaggregation) -> None:
     publisher = start_publisher(engine, settings)
     app.state.kv_events = publisher
     config = local_kv_config(
@@ -40,12 +43,25 @@ def install_kv_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSetting
         enable_prefix_caching=engine.enable_prefix_caching,
         instance_id=publisher.instance_id if publisher else uuid.uuid4().hex,
         events_endpoint=publisher.endpoint if publisher else None,
+        role=settings.role,
+        kv_transfer_endpoint=disagg.endpoint,
     )
     body = msgspec.json.encode(config)
 
     @app.get("/kv/config")
     async def kv_config() -> Response:
         return Response(body, media_type="application/json")
+
+    @app.post("/kv/prefill")
+    async def kv_prefill(request: Request) -> Response:
+        """Compute a prompt's KV for a decode worker; the answer is that worker's `kv_transfer_params`."""
+        if disagg.prefill is None:
+            raise APIError(404, f"this worker (role {settings.role}) does not prefill for others; "
+                           "start it with --role prefill, or --kv-transfer-port with role both")
+        body = await read_body(request, PrefillRequest)
+        ids = list(body.prompt_token_ids)
+        answer = await disagg.prefill.prefill(f"kvp-{uuid.uuid4().hex}", ids)
+        return Response(msgspec.json.encode(answer), media_type="application/json")
 
     @app.get("/kv/snapshot")
     async def kv_snapshot() -> Response:

@@ -84,6 +84,7 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
             KvyardServer(config, ctx).run()
         finally:
             ctx.tokenizer.close()
+            ctx.disagg.close()
             if app.state.kv_events is not None:
                 app.state.kv_events.close()
     finally:

@@ -30,6 +30,9 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("kvyard_kv_cache_usage_ratio", "Fraction of KV blocks in use",
                                 value=s.kv_cache_usage)
         yield GaugeMetricFamily("kvyard_kv_cache_free_blocks", "Free KV blocks", value=s.num_free_blocks)
+        yield GaugeMetricFamily("kvyard_kv_cache_blocks", "KV blocks in the pool", value=s.num_total_blocks)
+        yield GaugeMetricFamily("kvyard_kv_held_transfers", "Prefilled prompts whose KV waits for a decode worker",
+                                value=s.num_held_kv)
         yield CounterMetricFamily("kvyard_num_preemptions", "Requests preempted to free KV blocks",
                                   value=s.num_preemptions)
         # Hit rate in tokens = hits / queries, taken over any window with rate() on both counters.

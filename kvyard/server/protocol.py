@@ -87,6 +87,14 @@ class StructuredOutputsFields(OpenAIModel):
     json_object: StrictBool | None = None
 
 
+class KVTransferParams(OpenAIModel):
+    """A prefill worker's answer to POST /kv/prefill, passed on to the decode worker by the router."""
+
+    transfer_id: StrictStr
+    endpoint: StrictStr  # tcp://host:port of the prefill worker's KV source
+    num_blocks: Annotated[StrictInt, Field(ge=0)]
+
+
 class SamplingFields(OpenAIModel):
     """Fields both endpoints share; None means "not given", so the SamplingParams default applies."""
 
@@ -121,6 +129,9 @@ class SamplingFields(OpenAIModel):
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
     structured_outputs: StructuredOutputsFields | None = None
+    # Prefill/decode disaggregation (vLLM's field name): where this request's prompt KV waits to be pulled.
+    # The router sets it; kvyard/server/disagg.py reads it.
+    kv_transfer_params: KVTransferParams | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -43,8 +43,11 @@ class DraftModelProposer:
         kv_caches: list[LayerKV],
         num_blocks: int,
         block_size: int,
+        token_map: torch.Tensor | None = None,
     ):
         self.model = model
+        # A drafter whose head scores a reduced vocabulary: its logits column i is target token token_map[i].
+        self.token_map = token_map
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, kv_caches, block_size)
         self._shadows: dict[str, _Shadow] = {}
@@ -116,7 +119,8 @@ class DraftModelProposer:
         for sh in shadows:
             batch.add(sh.req, sh.req.num_tokens - sh.req.num_computed_tokens)
         step = self.runner.prepare(batch)
-        tokens = fast_argmax(self.runner.execute(step)).tolist()
+        best = fast_argmax(self.runner.execute(step))
+        tokens = (best if self.token_map is None else self.token_map[best]).tolist()
         for req, token in zip(step.sampled, tokens, strict=True):
             req.num_computed_tokens = req.num_tokens
             req.token_ids.append(token)

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from kvyard.engine.request import Request
+from kvyard.spec.proposer import Proposer
 
 
 def lookup(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -42,4 +43,23 @@ class NgramProposer:
                 draft = lookup(req.token_ids, self.min_n, self.max_n, k)
                 if draft:
                     out[req.request_id] = draft
+        return out
+
+
+class LookupFirst:
+    """Prompt lookup for the requests whose context repeats itself, another drafter for the rest.
+
+    A lookup hit costs no forward pass and, where the output copies (a repeated phrase, a loop, a quoted
+    name), it is right more often than a small model; the model drafts where lookup finds nothing.
+    """
+
+    def __init__(self, lookup: NgramProposer, fallback: Proposer):
+        self.lookup = lookup
+        self.fallback = fallback
+
+    def propose(self, requests: Sequence[Request], num_tokens: Mapping[str, int]) -> dict[str, list[int]]:
+        out = self.lookup.propose(requests, num_tokens)
+        rest = [r for r in requests if r.request_id not in out]
+        if rest:
+            out.update(self.fallback.propose(rest, num_tokens))
         return out

@@ -19,13 +19,19 @@ def make_speculation(
     if cfg.speculative_method is None:
         return None
     proposer: Proposer
+    dtype = cfg.dtype if isinstance(cfg.dtype, torch.dtype) else torch.float32
     if cfg.speculative_method == "ngram":
         proposer = NgramProposer(cfg.ngram_min, cfg.ngram_max)
+    elif cfg.speculative_method == "speculator":
+        from kvyard.spec.speculator.load import load_speculator
+
+        assert cfg.speculator is not None  # EngineConfig checks it
+        proposer = load_speculator(cfg.speculator, cfg.model, dtype, torch.device(cfg.device), num_blocks,
+                                   cfg.block_size, max_model_len)
     else:
         from kvyard.spec.draft_model import DraftModelProposer
 
         assert cfg.speculative_model is not None  # EngineConfig checks it
-        dtype = cfg.dtype if isinstance(cfg.dtype, torch.dtype) else torch.float32
         proposer = DraftModelProposer.load(
             cfg.speculative_model,
             tokenizer,

@@ -99,3 +99,48 @@ def test_fast_argmax_equals_torch_argmax_including_ties():
     logits[5, 1023] = logits[5, 1024] = 99.0  # a tie across a chunk boundary
     logits[7, -1] = 99.0  # the padded last chunk
     assert torch.equal(fast_argmax(logits), logits.argmax(-1))
+
+
+def _sorted_reference(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:
+    """top-k / top-p by a full sort: keep the first k tokens whose preceding mass is below p."""
+    values, order = logits.sort(descending=True)
+    probs = values.softmax(-1)
+    keep = (torch.arange(len(values)) < (k or len(values))) & (probs.cumsum(-1) - probs < p)
+    return torch.full_like(logits, float("-inf")).scatter(0, order, values.masked_fill(~keep, float("-inf")))
+
+
+@pytest.mark.parametrize("candidates", [256, 4])  # 4: most top-p rows overflow into the full-sort fallback
+def test_partial_sort_top_k_top_p_equals_full_sort(monkeypatch, candidates):
+    import kvyard.engine.sampler as sampler
+
+    monkeypatch.setattr(sampler, "_NUCLEUS_CANDIDATES", candidates)
+    g = torch.Generator().manual_seed(1)
+    # Peaked and flat rows; k and p chosen so that neither always decides.
+    logits = torch.randn(6, 3000, generator=g) * torch.tensor([[8.0], [8.0], [0.3], [0.3], [2.0], [2.0]])
+    top_k, top_p = [0, 20, 0, 500, 3, 0], [0.9, 0.95, 0.5, 0.99, 1.0, 0.3]
+    got = sampler.top_k_top_p(logits, top_k, top_p)
+    for i in range(6):
+        ref = _sorted_reference(logits[i], top_k[i], top_p[i])
+        assert torch.equal(got[i].isfinite(), ref.isfinite()), i
+        assert torch.equal(got[i][got[i].isfinite()], ref[ref.isfinite()]), i
+
+
+def test_top_k_alone_keeps_exactly_k_even_when_the_mass_rounds_to_one():
+    logits = torch.tensor([[60.0, 1.0, 0.5, 0.0, -1.0]])  # the first token holds all the mass in fp32
+    probs = filter_logits(logits, [req(top_k=3, temperature=1.0)])
+    assert (probs[0, :3] > 0).tolist() == [True, True, True] and probs[0, 3:].sum() == 0
+
+
+def test_unseeded_rows_follow_the_distribution_in_one_batch():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]] * 200)
+    reqs = [req(temperature=1.0) for _ in range(200)]
+    draws = sample(logits.clone(), reqs).token_ids + sample(logits.clone(), reqs).token_ids
+    freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
+    assert torch.allclose(freq, logits[0].softmax(-1), atol=0.06)
+
+
+def test_seeded_and_unseeded_rows_share_a_batch():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]] * 3)
+    alone = sample(logits[:1].clone(), [req(seed=5)]).token_ids[0]
+    mixed = sample(logits.clone(), [req(temperature=1.0), req(seed=5), req(temperature=0)]).token_ids
+    assert mixed[1] == alone and mixed[2] == 3

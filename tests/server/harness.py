@@ -43,6 +43,7 @@ def running_server(engine: AsyncEngine, **settings: object) -> Iterator[RunningS
         server.should_exit = True
         thread.join(10)
         ctx.tokenizer.close()
+        ctx.disagg.close()
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:

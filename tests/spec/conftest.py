@@ -1,6 +1,9 @@
+import json
+
 import pytest
 
 from kvyard import LLM
+from kvyard.spec.speculator.train import TrainConfig, train_speculator
 from tests.tiny import make_tiny_checkpoint
 
 
@@ -43,3 +46,27 @@ def run_steps(llm: LLM, requests: list, late: list | None = None, after: int = 3
                 done[out.request_id] = out.outputs[0]
         steps += 1
     return {i: done[rid] for i, rid in enumerate(ids)}
+
+
+TRAIN_PROMPTS = ["The quick brown fox", "def add(a, b):", "Paged attention keeps the", "x y z", "print(add"]
+
+
+@pytest.fixture(scope="session")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "train.jsonl"
+    lines = [{"prompt": p} for p in TRAIN_PROMPTS] + [{"prompt": p, "raw": True} for p in TRAIN_PROMPTS]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def speculator_dir(target_path, prompts_file, tmp_path_factory):
+    """One layer from the target's last, a 128-token draft vocabulary, a few steps of training."""
+    out = tmp_path_factory.mktemp("spec") / "speculator"
+    summary = train_speculator(TrainConfig(
+        target=str(target_path), prompts=str(prompts_file), out=str(out), init_layers=[-1], draft_vocab=128,
+        max_tokens=24, epochs=2, batch_tokens=128, holdout=0.2, dtype="float32", kv_cache_memory="8MiB",
+        progress=False,
+    ))
+    assert summary["samples"] == 8 and summary["heldout"]["positions"] > 0
+    return out
