@@ -4,7 +4,8 @@ adaptive speculation costs under load.
 Each row is one target engine with a drafter swapped in and out (`engine.spec`), so with and without
 speculation run on the same weights in the same process. Every prompt runs both ways back to back, the
 order alternating, for `--repeats` rounds: noise from other processes hits both sides. Decode tokens/s
-counts from the first output token (prefill excluded) to the last; greedy outputs must be identical.
+counts from the first output token (prefill excluded) to the last; greedy outputs are compared (identical in
+float32; in bfloat16 the verify pass and a plain decode round differently, so near-ties can flip).
 The load row submits `--concurrency` requests at once, adaptive speculation on against off.
 """
 
@@ -22,6 +23,7 @@ import torch
 from kvyard.llm import LLM
 from kvyard.sampling_params import SamplingParams
 from kvyard.spec.decoding import SpeculativeDecoding
+from kvyard.spec.ngram import LookupFirst
 from kvyard.spec.setup import make_speculation
 from kvyard.spec.speculator.prompts import read_prompts
 
@@ -31,7 +33,7 @@ WORKLOADS = {
     "code": DATA / "code_completion.jsonl",
     "rewrite": DATA / "rewrite.jsonl",  # edits whose output copies the prompt
 }
-ROWS = ("pair", "ngram", "speculator", "unrelated", "load")
+ROWS = ("pair", "ngram", "speculator", "speculator-model", "unrelated", "load")
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Row:
     target_speedup: float | None
     max_tokens: int
     num_prompts: int
+    model_only: bool = False  # a speculator without its prompt lookup: what the trained model alone gives
 
 
 def add_spec_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,7 +63,9 @@ def add_spec_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pair-max-tokens", type=int, default=48, help="the pair row is slow on a CPU: keep it small")
     p.add_argument("--pair-prompts", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=32, help="requests submitted at once in the load row")
-    p.add_argument("--load-max-tokens", type=int, default=64)
+    p.add_argument("--load-max-tokens", type=int, default=160,
+                   help="long enough that answers end (EOS) at different steps, so the batch shrinks below "
+                        "--speculative-max-batch and speculation turns on for the tail")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--json-out", default=None)
@@ -77,6 +82,8 @@ def plan_rows(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
                     {"speculative_model": args.pair_draft}, 1.8, args.pair_max_tokens, args.pair_prompts),
         "ngram": Row("ngram", "n-gram", args.target, "rewrite", {"speculative_method": "ngram"}, 1.5, m, n),
         "speculator": Row("speculator", "trained speculator", args.target, "chat", spec, 1.3, m, n),
+        "speculator-model": Row("speculator-model", "trained speculator, model only (no prompt lookup)",
+                                args.target, "chat", spec, None, m, n, model_only=True),
         "unrelated": Row("unrelated", "trained speculator", args.target, "code", spec, None, m, n),
     }
     notes = []
@@ -84,7 +91,7 @@ def plan_rows(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
     for name in wanted:
         if name not in ROWS:
             raise SystemExit(f"unknown row {name!r}; choose from {', '.join(ROWS)}")
-        if name in ("speculator", "unrelated") and not args.speculator:
+        if name in ("speculator", "speculator-model", "unrelated") and not args.speculator:
             notes.append(f"row {name} skipped: needs --speculator")
         elif name != "load":
             out.append(rows[name])
@@ -103,12 +110,14 @@ class Engines:
             self.llms[target] = LLM(target, dtype=self.args.dtype, kv_cache_memory=self.args.kv_cache_memory)
         return self.llms[target]
 
-    def drafter(self, llm: LLM, spec: dict) -> SpeculativeDecoding:
+    def drafter(self, llm: LLM, spec: dict, model_only: bool = False) -> SpeculativeDecoding:
         eng = llm.engine
         cfg = replace(eng.cfg, num_speculative_tokens=self.args.num_speculative_tokens, **spec)
         made = make_speculation(cfg, llm.tokenizer, eng.model_config.vocab_size, eng.blocks.num_blocks,
                                 eng.max_model_len)
         assert made is not None
+        if model_only and isinstance(made.proposer, LookupFirst):
+            made.proposer = made.proposer.fallback
         return made
 
 
@@ -124,16 +133,23 @@ def decode_run(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[list[int],
     return list(ids), len(ids) - first_n, last_t - first_t
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def batch1_row(engines: Engines, row: Row, repeats: int) -> dict:
     llm = engines.llm(row.target)
-    spec = engines.drafter(llm, row.spec)
+    spec = engines.drafter(llm, row.spec, row.model_only)
     prompts = read_prompts(WORKLOADS[row.workload], llm.tokenizer, row.num_prompts)
     llm.engine.spec = spec
     decode_run(llm, prompts[0], 8)  # warm-up, both ways
     llm.engine.spec = None
     decode_run(llm, prompts[0], 8)
     spec.stats = type(spec.stats)()
-    rounds, identical = [], True
+    rounds, same, total = [], 0, 0
     for r in range(repeats):
         tally = {"on": [0, 0.0], "off": [0, 0.0]}
         for i, prompt in enumerate(prompts):
@@ -144,7 +160,8 @@ def batch1_row(engines: Engines, row: Row, repeats: int) -> dict:
                 outs[side], n, secs = decode_run(llm, prompt, row.max_tokens)
                 tally[side][0] += n
                 tally[side][1] += secs
-            identical &= outs["on"] == outs["off"]
+            same += common_prefix(outs["on"], outs["off"])
+            total += len(outs["off"])
         on, off = (tally[s][0] / max(tally[s][1], 1e-9) for s in ("on", "off"))
         rounds.append({"on_tok_s": on, "off_tok_s": off, "speedup": on / off, "decode_tokens": tally["on"][0]})
         print(f"{row.name} round {r + 1}: on {on:.1f} tok/s, off {off:.1f} tok/s, {on / off:.2f}x", file=sys.stderr)
@@ -158,7 +175,10 @@ def batch1_row(engines: Engines, row: Row, repeats: int) -> dict:
         "off_tok_s": off_med, "on_tok_s": on_med, "speedup": on_med / off_med,
         "per_round": [round(x["speedup"], 3) for x in rounds],
         "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
-        "drafter_ms_per_step": 1000 * s.drafter_seconds_per_step, "identical_outputs": identical,
+        "drafter_ms_per_step": 1000 * s.drafter_seconds_per_step,
+        # Share of the plain greedy output reproduced before the first difference (1.0: identical). Below 1
+        # only in bf16, where the verify pass (a GEMM over k + 1 rows) and a decode (GEMV) round differently.
+        "output_match": same / max(1, total),
         "target_speedup": row.target_speedup,
     }
 
@@ -193,12 +213,12 @@ def load_row(engines: Engines, args: argparse.Namespace) -> dict:
 
 def markdown(result: dict) -> str:
     lines = ["| drafter | target | workload | tok/s off | tok/s on | speedup | per round | acceptance | "
-             "mean accepted length | drafter ms/step | identical | target |", "|" + "---|" * 12]
+             "mean accepted length | drafter ms/step | output match | target |", "|" + "---|" * 12]
     for r in result["rows"]:
         want = f"≥ {r['target_speedup']}×" if r["target_speedup"] else "reported"
         lines.append(f"| {r['drafter']} | {r['target']} | {r['workload']} | {r['off_tok_s']:.1f} | {r['on_tok_s']:.1f}"
                      f" | **{r['speedup']:.2f}×** | {', '.join(map(str, r['per_round']))} | {r['acceptance_rate']:.2f}"
-                     f" | {r['mean_accepted_length']:.2f} | {r['drafter_ms_per_step']:.1f} | {r['identical_outputs']}"
+                     f" | {r['mean_accepted_length']:.2f} | {r['drafter_ms_per_step']:.1f} | {r['output_match']:.0%}"
                      f" | {want} |")
     if (ld := result.get("load")) is not None:
         lines += ["", "| under load | concurrency | tok/s off | tok/s on | on / off | per round | target |",

@@ -16,9 +16,9 @@ def test_bench_spec_on_tiny_models(target_path, small_draft_path, speculator_dir
     ])
     assert rc == 0
     result = json.loads(json_out.read_text())
-    assert [r["row"] for r in result["rows"]] == ["pair", "ngram", "speculator", "unrelated"]
+    assert [r["row"] for r in result["rows"]] == ["pair", "ngram", "speculator", "speculator-model", "unrelated"]
     for r in result["rows"]:
-        assert r["identical_outputs"] and r["on_tok_s"] > 0 and r["off_tok_s"] > 0, r
+        assert r["output_match"] == 1.0 and r["on_tok_s"] > 0 and r["off_tok_s"] > 0, r
         assert 0.0 <= r["acceptance_rate"] <= 1.0
     assert result["load"]["concurrency"] == 4 and result["load"]["on_tok_s"] > 0
     table = md_out.read_text()

@@ -15,20 +15,20 @@ def add_speculator_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--prompts", required=True,
                    help="workload: .jsonl ({'prompt'} or {'messages'} per line) or text, one prompt per line")
     t.add_argument("--out", required=True, help="directory for speculator.json and model.safetensors")
-    t.add_argument("--init-layers", default="0,-1",
+    t.add_argument("--init-layers", default="0,1",
                    help="target layers the drafter's layers start from (their count is its depth; -1 = last)")
     t.add_argument("--draft-vocab", type=int, default=8192,
                    help="tokens the drafter may propose: the target's most frequent outputs (0 = all)")
-    t.add_argument("--loss", choices=("soft", "hard"), default="soft",
-                   help="fit the target's top-20 distribution (soft) or its argmax (hard)")
+    t.add_argument("--loss", choices=("hard", "soft"), default="hard",
+                   help="fit the target's argmax (hard) or its top-20 distribution (soft)")
     t.add_argument("--prompt-lookup", action=argparse.BooleanOptionalAction, default=True,
                    help="draft by prompt lookup where the context repeats itself, by the model elsewhere")
-    t.add_argument("--max-tokens", type=int, default=192, help="tokens generated per prompt")
+    t.add_argument("--max-tokens", type=int, default=160, help="tokens generated per prompt")
     t.add_argument("--num-prompts", type=int, default=None, help="use the file's first N prompts")
     t.add_argument("--temperature", type=float, default=0.0, help="of the data generation (0: greedy)")
-    t.add_argument("--epochs", type=int, default=2)
-    t.add_argument("--lr", type=float, default=3e-4)
-    t.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per training batch")
+    t.add_argument("--epochs", type=int, default=6)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per training batch")
     t.add_argument("--holdout", type=float, default=0.05, help="share of samples kept for the acceptance estimate")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--dtype", default="bfloat16", help="of the engine that generates the data")

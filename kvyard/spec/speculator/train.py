@@ -34,15 +34,15 @@ class TrainConfig:
     target: str
     prompts: str
     out: str
-    init_layers: list[int] = field(default_factory=lambda: [0, -1])  # negative: from the end
+    init_layers: list[int] = field(default_factory=lambda: [0, 1])  # negative: from the end
     draft_vocab: int = 8192  # 0: the whole vocabulary
-    loss: str = "soft"  # soft (target's top-20 distribution) or hard (its argmax)
-    max_tokens: int = 192  # per generated sample
+    loss: str = "hard"  # hard (the target's argmax) or soft (its top-20 distribution)
+    max_tokens: int = 160  # per generated sample
     num_prompts: int | None = None
     temperature: float = 0.0  # of the data generation
-    epochs: int = 2
-    lr: float = 3e-4
-    batch_tokens: int = 4096
+    epochs: int = 6
+    lr: float = 1e-3
+    batch_tokens: int = 1024
     holdout: float = 0.05
     seed: int = 0
     dtype: str = "bfloat16"  # of the engine that generates the data (the serving dtype)
