@@ -84,15 +84,21 @@ def _ratios(rounds: list[dict], med: dict) -> dict:
 def run_offline_bench(args: argparse.Namespace) -> int:
     cfg = engine_config_from_args(args)
     llm = LLM(config=cfg)
-    work = random_workload(llm.tokenizer, args.num_requests, args.input_len, args.output_len, args.range_ratio)
-    single = Workload(work.prompts[: args.batch1_requests], [args.output_len] * args.batch1_requests)
-    llm.generate(work.prompts[:2], _greedy(4))  # warm-up
+
+    def workload(seed: int) -> tuple[Workload, Workload]:
+        # Fresh prompts every round, and batch-1 prompts apart from the batch's: a repeated prompt would
+        # let kvyard's prefix cache skip the prefill that HF, which keeps no cache between calls, redoes.
+        work = random_workload(llm.tokenizer, args.num_requests + args.batch1_requests, args.input_len,
+                               args.output_len, args.range_ratio, seed=seed)
+        batch1 = work.prompts[args.num_requests:]
+        del work.prompts[args.num_requests:], work.output_lens[args.num_requests:]
+        return work, Workload(batch1, [args.output_len] * args.batch1_requests)
+
     wanted = {p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"}
     hf_model = None
+    pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
     if "hf" in wanted:
         hf_model = peers.load_hf_model(llm.engine.model_path, cfg.dtype)
-        pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
-        peers.hf_static_batch(hf_model, Workload(work.prompts[:2], [4, 4]), pad)  # warm-up
     lcpp = None
     notes = []
     if "llama.cpp" in wanted:
@@ -100,8 +106,15 @@ def run_offline_bench(args: argparse.Namespace) -> int:
             lcpp = peers.LlamaCppPeer(llm.engine.model_path, torch.get_num_threads())
         else:
             notes.append("llama.cpp skipped: needs llama-cpp-python and a GGUF model")
+    # Warm-up at full size, so one-time costs (kernel setup per shape, allocator growth) hit no round.
+    warm, _ = workload(seed=args.repeats + 1)
+    kvyard_batch(llm, warm)
+    if hf_model is not None:
+        peers.hf_static_batch(hf_model, warm, pad)
+    hits_before = llm.engine.blocks.hit_tokens
     rounds = []
     for r in range(args.repeats):
+        work, single = workload(seed=r)
         row = {"kvyard.batch.tok_s": kvyard_batch(llm, work)}
         if hf_model is not None:
             row["hf.batch.tok_s"] = work.output_tokens / peers.hf_static_batch(hf_model, work, pad)
@@ -123,6 +136,8 @@ def run_offline_bench(args: argparse.Namespace) -> int:
                      "output_tokens": work.output_tokens, "batch1_requests": args.batch1_requests},
         "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform()},
         "engine": {"max_num_batched_tokens": cfg.max_num_batched_tokens, "block_size": cfg.block_size},
+        # Prompt tokens kvyard served from its prefix cache in the timed rounds: 0 keeps the peers even.
+        "kvyard_prefix_hit_tokens": llm.engine.blocks.hit_tokens - hits_before,
         "median": med,
         "ratios": _ratios(rounds, med),
         "rounds": rounds,

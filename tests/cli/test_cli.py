@@ -37,3 +37,4 @@ def test_bench_offline_reports_ratios(tiny_checkpoint, tmp_path):
     assert set(ratios) == {"batch_throughput_vs_hf_padded", "batch1_throughput_vs_hf"}
     assert len(ratios["batch_throughput_vs_hf_padded"]["per_round"]) == 2
     assert result["median"]["kvyard.batch.tok_s"] > 0 and result["median"]["hf.batch.tok_s"] > 0
+    assert result["kvyard_prefix_hit_tokens"] == 0  # every round's prompts are new to the cache
