@@ -41,6 +41,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--num-groups", type=int, default=4, help="shared-prefix: distinct system prompts")
     w.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: system prompt length in tokens")
     w.add_argument("--turns", type=int, default=3, help="multi-turn: user turns per conversation")
+    w.add_argument("--history-len", type=int, default=0,
+                   help="multi-turn: tokens of context unique to each conversation (a document, an earlier chat) "
+                        "sent ahead of its first turn, as the system message")
     w.add_argument("--tokenizer", default=None,
                    help="build prompts from this model's tokens (kvyard model name, path or HF name); "
                         "default: common English words, about one token each")
@@ -100,11 +103,13 @@ def config_from_args(args: argparse.Namespace, url: str) -> ServeBenchConfig:
     workload = WorkloadSpec(
         name=args.workload, num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, num_groups=args.num_groups, prefix_len=args.prefix_len, turns=args.turns,
-        seed=args.seed,
+        history_len=args.history_len, seed=args.seed,
     )
     for name in ("num_requests", "input_len", "output_len", "num_groups", "turns"):
         if getattr(workload, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be >= 1")
+    if workload.history_len < 0:
+        raise BenchError("--history-len must be >= 0")
     if not 0 <= workload.range_ratio < 1:
         raise BenchError("--range-ratio must be in [0, 1)")
     if args.timeout <= 0 or math.isnan(args.timeout):

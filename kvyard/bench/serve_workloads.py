@@ -53,6 +53,7 @@ class WorkloadSpec:
     num_groups: int = 4  # shared-prefix
     prefix_len: int = 512  # shared-prefix
     turns: int = 3  # multi-turn
+    history_len: int = 0  # multi-turn: a context of its own (a document, an earlier chat) opens each conversation
     seed: int = 0
 
 
@@ -151,7 +152,9 @@ def build_sessions(spec: WorkloadSpec, tokenizer: Any = None) -> list[Session]:
         sessions = []
         for start in range(0, n, spec.turns):
             k = min(spec.turns, n - start)  # the last conversation is shorter if turns does not divide n
-            sessions.append(Session("chat", [turn(_length(rng, spec.input_len, spec.range_ratio)) for _ in range(k)]))
+            history = src.text(spec.history_len) if spec.history_len else None
+            sessions.append(Session("chat", [turn(_length(rng, spec.input_len, spec.range_ratio)) for _ in range(k)],
+                                    system=history))
         return sessions
     if spec.name == "tool-call":
         sessions = []

@@ -176,6 +176,9 @@ def test_workload_shapes():
         assert sum(len(s.turns) for s in sessions) == 10
     shared = build_sessions(WorkloadSpec("shared-prefix", num_requests=9, num_groups=3, prefix_len=20))
     assert len({s.system for s in shared}) == 3 and all(len(s.system.split()) == 20 for s in shared)
+    chats = build_sessions(WorkloadSpec("multi-turn", num_requests=6, turns=3, history_len=30))
+    assert len({s.system for s in chats}) == 2 and all(len(s.system.split()) == 30 for s in chats)
+    assert all(s.system is None for s in build_sessions(WorkloadSpec("multi-turn", num_requests=6, turns=3)))
     again = build_sessions(WorkloadSpec("random", num_requests=3, seed=5))
     assert [s.turns[0].content for s in again] == [s.turns[0].content for s in build_sessions(
         WorkloadSpec("random", num_requests=3, seed=5))]
