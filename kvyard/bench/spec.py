@@ -64,8 +64,7 @@ def add_spec_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pair-prompts", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=32, help="requests submitted at once in the load row")
     p.add_argument("--load-max-tokens", type=int, default=160,
-                   help="long enough that answers end (EOS) at different steps, so the batch shrinks below "
-                        "--speculative-max-batch and speculation turns on for the tail")
+                   help="the load row's longest request; the others' max_tokens spread evenly below it")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--json-out", default=None)
@@ -189,7 +188,15 @@ def load_row(engines: Engines, args: argparse.Namespace) -> dict:
     spec = engines.drafter(llm, spec_fields)
     prompts = read_prompts(WORKLOADS["chat"], llm.tokenizer)
     prompts = [prompts[i % len(prompts)] for i in range(args.concurrency)]
-    params = SamplingParams(max_tokens=args.load_max_tokens, temperature=0.0)
+    # Lengths spread evenly up to --load-max-tokens: requests finish one after another, so the batch
+    # passes through every size and speculation turns on once few enough are left.
+    n = args.concurrency
+    params = [SamplingParams(max_tokens=max(1, args.load_max_tokens * (i + 1) // n), temperature=0.0)
+              for i in range(n)]
+    for side in (spec, None):  # warm-up, both ways: one-time costs land in no round
+        llm.engine.spec = side
+        llm.generate(prompts, params)
+    spec.stats = type(spec.stats)()
     rounds = []
     for r in range(args.repeats):
         row = {}
