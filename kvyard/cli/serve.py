@@ -31,7 +31,8 @@ _SERVER_FLAGS: list[tuple[str, type, str]] = [
     ("kv_events_port", int, "publish KV cache events for `kvyard route` on this ZeroMQ port (0: any free port)"),
     ("role", str, "prefill/decode disaggregation: both (default), prefill or decode"),
     ("kv_transfer_port", int, "prefill role: ZeroMQ port decode workers pull KV from (default: any free port)"),
-    ("kv_transfer_mode", str, "KV transfer framing: blocks (default, one message) or layers (one per layer)"),
+    ("kv_transfer_mode", str, "KV transfer framing over TCP: layers (default: one message per layer, pipelined) "
+                              "or blocks (one message)"),
     ("kv_hold_timeout", float, "prefill role: seconds to keep KV that no decode worker pulled (default 30)"),
     ("kv_fetch_timeout", float, "decode role: seconds to wait for a KV pull before prefilling locally (default 10)"),
 ]

@@ -13,12 +13,13 @@ import socket
 import statistics
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from kvyard.disagg import wire
-from kvyard.disagg.blocks import gather_blocks
+from kvyard.disagg.blocks import block_index, gather_blocks, gather_layer, scatter_blocks
 from kvyard.disagg.layout import KVLayout
 from kvyard.disagg.zmq_transport import KVFetcher, KVSource
 from kvyard.engine.block_manager import block_hashes
@@ -59,6 +60,35 @@ def checksum_gbps(nbytes: int) -> float:
     start = time.perf_counter()
     wire.checksum(buf)
     return nbytes / (time.perf_counter() - start) / 1e9
+
+
+def stage_ms(caches: list[LayerKV], layout: KVLayout, block_ids: list[int], repeats: int) -> dict[str, float]:
+    """Each step of a transfer alone, in ms for all of `block_ids`, in warm memory (medians): the source's
+    gather, one side's checksums, the fetcher's copy into its receive buffer, and the decode worker's
+    scatter into its cache (after the fetch, on the engine thread: not part of the transfer's time)."""
+    n = len(block_ids)
+    size = wire.frame_offsets(layout.wire_nbytes(n))[1]
+    staged, received = (torch.zeros(size, dtype=torch.uint8) for _ in range(2))
+    index = block_index(block_ids, torch.device("cpu"))
+    out = wire.frame_views(staged, layout, n)
+    frames = [wire.as_bytes(t) for layer in out for t in layer]
+    scratch = random_caches(layout, n)
+    steps = {
+        "gather": lambda: [gather_layer(c, index, layout.block_size, o) for c, o in zip(caches, out, strict=True)],
+        "checksum_one_side": lambda: [wire.checksum(f) for f in frames],
+        "copy_to_receive_buffer": lambda: np.copyto(received.numpy(), staged.numpy()),
+        "scatter_into_cache": lambda: scatter_blocks(scratch, list(range(n)), layout.block_size, out),
+    }
+    return {name: 1000 * _median_s(step, repeats) for name, step in steps.items()}
+
+
+def _median_s(step: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):  # the first run faults the pages in
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def random_caches(layout: KVLayout, num_blocks: int) -> list[LayerKV]:
@@ -135,6 +165,7 @@ def run_transfer_bench(layout: KVLayout, num_tokens: int, repeats: int,
         "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],  # how noisy the machine was
         "loopback_tcp_gbps": ref,
         "checksum_gbps": speed, "checksum_ms_per_side": 1000 * nbytes / speed / 1e9,
+        "stages_ms": stage_ms(caches, layout, block_ids, repeats),  # where a transfer's time goes
         "modes": {},
     }
     for run in runs:

@@ -70,4 +70,16 @@ def scatter_blocks(caches: list[LayerKV], block_ids: list[int], block_size: int,
         if len(layer) != len(dst):
             raise ValueError(f"{len(layer)} tensors per layer for a cache that stores {len(dst)}")
         for t, src in zip(dst, layer, strict=True):
-            _per_block(t, block_size).index_copy_(0, index, _per_block(src.to(t.device), block_size))
+            scatter_tensor(t, index, block_size, src.to(t.device))
+
+
+def scatter_tensor(t: torch.Tensor, index: torch.Tensor, block_size: int, src: torch.Tensor) -> None:
+    """Rows of `src`, block after block, into blocks `index` of cache tensor `t`."""
+    if src.dtype != t.dtype or src.shape[1:] != t.shape[1:]:
+        raise ValueError(f"cannot scatter {src.dtype} {tuple(src.shape)} into {t.dtype} {tuple(t.shape)}")
+    if t.device.type == "cpu":
+        # numpy, for the reason the gather uses it: torch's index_copy_ took 476 ms against 7 ms for numpy
+        # for 46 MB of SmolLM2 KV (125 blocks) on the shared 2-core VM, on the engine thread.
+        _rows(t, block_size)[index.numpy()] = _rows(src.contiguous(), block_size)
+    else:
+        _per_block(t, block_size).index_copy_(0, index, _per_block(src, block_size))

@@ -47,6 +47,10 @@ class KVLayout(msgspec.Struct, frozen=True):
         """Bytes of each tensor of one layer (the same for every layer)."""
         return [dt.itemsize * numel(shape) for dt, shape in self.frame_specs(num_blocks)]
 
+    def wire_nbytes(self, num_blocks: int) -> list[int]:
+        """Bytes of every tensor of every layer, in the order they travel: layer 0's k, v, ..., layer 1's ..."""
+        return self.frame_nbytes(num_blocks) * self.num_layers
+
     def block_nbytes(self) -> int:
         return self.num_layers * sum(self.frame_nbytes(1))
 

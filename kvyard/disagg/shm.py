@@ -1,10 +1,11 @@
 """Shared-memory segments for a transfer between two processes on one host.
 
-The source owns each segment: it creates it when a same-host fetcher asks, gathers the blocks straight
-into it (the gather is the only copy on that side) and unlinks it when the transfer is released, by ack,
-timeout or close. If the source process dies, multiprocessing's resource tracker unlinks what it left.
-The fetcher maps the file under /dev/shm privately (copy-on-write) instead of attaching a SharedMemory, so
-it holds no tracker registration that could unlink what the source owns, and copies nothing itself.
+The source owns each segment (`shm_pool.SegmentPool` reuses them across transfers): it gathers the blocks
+straight into one (the gather is the only copy on that side) and gets it back when the transfer is
+released, by ack, timeout or close. If the source process dies, multiprocessing's resource tracker
+unlinks what it left. The fetcher maps the file under /dev/shm shared and read-only instead of attaching
+a SharedMemory, so it holds no tracker registration that could unlink what the source owns, and copies
+the frames out before it acks: after the ack the source may rewrite the segment for another transfer.
 """
 
 import mmap
@@ -12,24 +13,26 @@ import os
 import uuid
 from multiprocessing.shared_memory import SharedMemory
 
-import torch
-
-from kvyard.disagg.layout import numel
+import numpy as np
 
 SHM_DIR = "/dev/shm"  # where POSIX shm_open names live on Linux
 PREFIX = "kvyard-kv-"
 
 
 def create(size: int) -> SharedMemory:
-    return SharedMemory(name=f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}", create=True, size=size)
-
-
-def views(seg: SharedMemory, offsets: list[int],
-          specs: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
-    """Typed tensors over the segment at `offsets`, one per (dtype, shape) in `specs`."""
-    buf = torch.frombuffer(seg.buf, dtype=torch.uint8)
-    return [buf[off : off + dtype.itemsize * numel(shape)].view(dtype).view(shape)
-            for off, (dtype, shape) in zip(offsets, specs, strict=True)]
+    """A new segment whose pages are reserved: OSError (ENOSPC) here rather than SIGBUS on a later write
+    when /dev/shm is full."""
+    seg = SharedMemory(name=f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}", create=True, size=size)
+    try:
+        fd = os.open(os.path.join(SHM_DIR, seg.name), os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
+    except OSError:
+        destroy(seg)
+        raise
+    return seg
 
 
 def destroy(seg: SharedMemory) -> None:
@@ -43,22 +46,26 @@ def destroy(seg: SharedMemory) -> None:
         pass  # a tensor view is still alive somewhere; the name is gone, the mapping goes with the view
 
 
-def read(name: str, size: int) -> torch.Tensor | None:
-    """The first `size` bytes of segment `name`, mapped copy-on-write (no copy: the pages the source wrote
-    are shared until someone writes them); None when there is no such segment here (another host, another
-    /dev/shm namespace, or already released). Fewer bytes: a shorter tensor.
+def read(name: str, size: int) -> np.ndarray | None:
+    """The first `size` bytes of segment `name`, mapped shared and read-only (no copy); None when there is
+    no such segment here (another host, another /dev/shm namespace, or already released). Fewer bytes: a
+    shorter array.
 
-    The mapping outlives the source's unlink of the name (Linux keeps unlinked pages while they are
-    mapped), so the source may release as soon as we ack; the pages go when the last tensor view does.
+    MAP_POPULATE maps every page in the one mmap call instead of one fault per 4 KiB page on first read.
+    The caller must copy what it keeps before it acks (the source reuses the segment after that) and
+    should drop the array then; the mapping goes with the last view of it.
     """
     if "/" in name:
         return None
     try:
-        with open(os.path.join(SHM_DIR, name), "rb", buffering=0) as f:
-            length = min(size, os.fstat(f.fileno()).st_size)
-            if length == 0:
-                return torch.empty(0, dtype=torch.uint8)
-            mapped = mmap.mmap(f.fileno(), length, access=mmap.ACCESS_COPY)
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
     except FileNotFoundError:
         return None
-    return torch.frombuffer(mapped, dtype=torch.uint8)
+    try:
+        length = min(size, os.fstat(fd).st_size)
+        if length == 0:
+            return np.empty(0, dtype=np.uint8)
+        mapped = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mapped, dtype=np.uint8)

@@ -6,9 +6,10 @@ then does the fetcher tell the source to release; a payload it rejects is releas
 since a retry would get the same bytes. Every wait is bounded by the fetch's timeout, and a socket monitor
 turns a source that drops the connection mid-transfer into an immediate KVTransferError.
 
-Each fetch opens its own DEALER socket, so one KVFetcher serves any number of threads. TCP frames are
-wrapped as tensors without a copy; a shared-memory reply is copied out of the segment (the source unlinks
-it on release). If the segment cannot be opened (another /dev/shm namespace), the fetch retries over TCP.
+Each fetch opens its own DEALER socket, so one KVFetcher serves any number of threads. A "blocks" reply's
+frames are wrapped as tensors without a copy; "layers" and shared-memory replies are copied layer by layer
+into warm memory as they arrive (`receive.py` says why), the segment before the ack since the source
+reuses it after. If the segment cannot be opened (another /dev/shm namespace), the fetch retries over TCP.
 """
 
 import logging
@@ -25,6 +26,8 @@ from zmq.utils.monitor import recv_monitor_message
 from kvyard.disagg import shm, wire
 from kvyard.disagg.layout import KVLayout
 from kvyard.disagg.payload import KVIntegrityError, KVPayload, KVTransferError, check_hashes, check_payload
+from kvyard.disagg.receive import LayerCopier, frame_tensor
+from kvyard.disagg.warm_buffers import WarmBuffers
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,7 @@ class KVFetcher:
         """`release_wait_s`: how long a fetch waits for the source to confirm the release (beyond its timeout)."""
         self.allow_shm = allow_shm and bool(wire.host_id())
         self.release_wait_s = release_wait_s
+        self.buffers = WarmBuffers()  # where layers and shared-memory segments are copied to
         self._ctx = zmq.Context()
 
     def fetch(self, endpoint: str, transfer_id: str, layout: KVLayout, expected_hashes: list[bytes],
@@ -116,28 +120,34 @@ class KVFetcher:
             raise error(f"{conn.endpoint}: transfer {transfer_id} refused: {header.reason}")
         _check_header(header, transfer_id, layout, expected)
         per_layer = len(layout.frame_specs(1))
-        if header.mode == "blocks":
-            frames = [_frame_tensor(f) for f in msg[1:]]
+        if header.mode == "blocks":  # one message: ZeroMQ's frames, wrapped without a copy
+            frames = [frame_tensor(memoryview(f)) for f in msg[1:]]
+            _check_frames(transfer_id, frames, header.frame_nbytes, header.frame_checksum, 0, per_layer)
         elif header.mode == "layers":
             _expect_no_data(header, msg)
-            frames = self._recv_layers(conn, header, per_layer)  # checked as they arrive
+            offsets, size = wire.frame_offsets(header.frame_nbytes)
+            copier = LayerCopier(transfer_id, header.frame_nbytes, offsets, per_layer, self.buffers.take(size))
+            frames = self._recv_layers(conn, header, per_layer, copier.layer)
         elif header.mode == "shm":
             _expect_no_data(header, msg)
-            segment = _read_segment(header)
-            if segment is None:  # not visible here (another /dev/shm namespace): ask again, over TCP
+            copier = _open_segment(header, per_layer, self.buffers)
+            if copier is None:  # not visible here (another /dev/shm namespace): ask again, over TCP
+                self._recv_layers(conn, header, per_layer, None)  # skip the announcements still on their way
                 return self._pull(conn, transfer_id, layout, expected, use_shm=False)
-            frames = segment
+            frames = self._recv_layers(conn, header, per_layer, copier.layer)
         else:
             raise KVIntegrityError(f"transfer {transfer_id}: unknown transfer mode {header.mode!r}")
-        if header.mode != "layers":
-            _check_frames(transfer_id, frames, header.frame_nbytes, header.frame_checksum, 0, per_layer)
         payload = KVPayload(transfer_id, header.layout, header.block_hashes, header.token_ids,
                             _typed(frames, layout, len(expected)), sum(header.frame_nbytes))
         check_payload(payload, layout, expected)
         return payload
 
-    def _recv_layers(self, conn: _Connection, header: wire.Header, per_layer: int) -> list[torch.Tensor]:
-        # Each layer is checked as it arrives, while the next one is still on the wire.
+    def _recv_layers(self, conn: _Connection, header: wire.Header, per_layer: int,
+                     read_layer: Callable[[int, list[zmq.Frame]], list[torch.Tensor]] | None) -> list[torch.Tensor]:
+        """Layer by layer, each checked as it arrives while the source is still producing the next one.
+
+        `read_layer(i, data frames of layer i's message)` gives layer i's tensors; None only skips the messages.
+        """
         tid, num_layers = header.transfer_id, header.layout.num_layers
         frames: list[torch.Tensor] = []
         for i in range(num_layers):
@@ -145,7 +155,9 @@ class KVFetcher:
             meta = _decode(wire.decode_layer, msg[0], f"transfer {tid}: layer {i} header")
             if meta.index != i:
                 raise KVIntegrityError(f"transfer {tid}: got layer {meta.index}, expected {i}")
-            layer = [_frame_tensor(f) for f in msg[1:]]
+            if read_layer is None:
+                continue
+            layer = read_layer(i, msg[1:])
             sizes = header.frame_nbytes[len(frames) : len(frames) + per_layer]
             _check_frames(tid, layer, sizes, meta.frame_checksum, len(frames), per_layer)
             frames += layer
@@ -208,20 +220,16 @@ def _check_frames(tid: str, frames: list[torch.Tensor], sizes: list[int], sums: 
             raise KVIntegrityError(f"transfer {tid}: {name} fails its checksum (corrupted in transit)")
 
 
-def _frame_tensor(frame: zmq.Frame) -> torch.Tensor:
-    buf = memoryview(frame)  # writable: torch wraps it without a copy and keeps the frame alive
-    return torch.frombuffer(buf, dtype=torch.uint8) if buf.nbytes else torch.empty(0, dtype=torch.uint8)
-
-
-def _read_segment(header: wire.Header) -> list[torch.Tensor] | None:
+def _open_segment(header: wire.Header, per_layer: int, buffers: WarmBuffers) -> LayerCopier | None:
+    """A copier out of the reply's segment; None when the segment is not visible here."""
     offsets, size = wire.frame_offsets(header.frame_nbytes)
-    buf = shm.read(header.shm_name, size)
-    if buf is None:
+    segment = shm.read(header.shm_name, size)
+    if segment is None:
         return None
-    if buf.numel() < size:
-        raise KVIntegrityError(f"transfer {header.transfer_id}: shared-memory segment holds {buf.numel()} "
+    if segment.size < size:
+        raise KVIntegrityError(f"transfer {header.transfer_id}: shared-memory segment holds {segment.size} "
                                f"bytes, expected {size} (short transfer)")
-    return [buf[o : o + n] for o, n in zip(offsets, header.frame_nbytes, strict=True)]
+    return LayerCopier(header.transfer_id, header.frame_nbytes, offsets, per_layer, buffers.take(size), segment)
 
 
 def _typed(frames: list[torch.Tensor], layout: KVLayout, num_blocks: int) -> list[list[torch.Tensor]]:

@@ -4,9 +4,10 @@ The source owns the timing of every offered transfer: blocks stay held until the
 (`Release`) or the offer's timeout passes, and then `on_release` runs exactly once, on the source thread.
 Reads happen on that same thread, so a timeout can never fire in the middle of one; a shared-memory reply
 also holds the transfer for the fetcher's lease (its remaining timeout) while the fetcher copies the
-segment out. Data frames go out zero-copy from the gathered tensors (zmq keeps them alive until sent);
-in "layers" mode zmq's I/O thread sends layer i while this thread gathers layer i + 1. The protocol is
-in `wire.py`.
+segment out. Only then does the segment go back to the pool (`shm_pool`) for another transfer. TCP
+replies are gathered into warm staging memory (`warm_buffers`) and go out zero-copy from there (zmq keeps
+them referenced until sent, which keeps the buffer from reuse); in "layers" and shared-memory replies the
+fetcher receives layer i while this thread gathers layer i + 1. The protocol is in `wire.py`.
 
 Reading `caches` here while the engine thread runs other requests is safe: held blocks are reference
 counted by the engine and never written until `on_release` lets them go.
@@ -14,7 +15,6 @@ counted by the engine and never written until `on_release` lets them go.
 
 import logging
 import math
-import socket
 import threading
 import time
 from collections import OrderedDict
@@ -29,6 +29,8 @@ from kvyard.disagg import shm, wire
 from kvyard.disagg.blocks import block_index, gather_layer
 from kvyard.disagg.layout import KVLayout
 from kvyard.disagg.payload import KVTransferError
+from kvyard.disagg.shm_pool import SegmentPool
+from kvyard.disagg.warm_buffers import WarmBuffers
 from kvyard.models.kv_layer import LayerKV
 
 log = logging.getLogger(__name__)
@@ -85,11 +87,13 @@ class KVSource:
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished fetcher is an error, not a silent drop
         self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # requests are small; anything else is not a fetcher
         self._sock.bind(bind[:-2] + ":*" if bind.endswith(":0") else bind)
-        self.endpoint = _advertised(self._sock.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
+        self.endpoint = wire.advertised(self._sock.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         self._lock = threading.Lock()
         self._held: dict[str, _Held] = {}
         self._recent: OrderedDict[str, str] = OrderedDict()  # transfer id -> how it was released
         self._closed = False
+        self.segment_pool = SegmentPool()  # shared-memory segments: a fresh one per transfer costs its page faults
+        self.buffers = WarmBuffers()  # where TCP replies are gathered, for the same reason
         self._stop = threading.Event()
         # Test hook: sees (and may alter) each message's data frames after their checksums are taken.
         self._tamper: Callable[[list[memoryview]], list[memoryview]] | None = None
@@ -154,6 +158,7 @@ class KVSource:
                 self._held.clear()
             for held in rest:
                 self._finish(held, "close")
+            self.segment_pool.close()
             self._sock.close(linger=0)
             self._ctx.term()
 
@@ -190,62 +195,72 @@ class KVSource:
         index = block_index(held.block_ids, self.caches[0].k.device)
         same_host = self.allow_shm and req.shm and req.host_id and req.host_id == wire.host_id()
         try:
-            if not (same_host and self._try_shm(peer, held, index, req.lease_s)):
-                (self._send_layers if self.mode == "layers" else self._send_blocks)(peer, held, index)
+            if not (same_host and self._send_shm(peer, held, index, req.lease_s)):
+                if self.mode == "layers":
+                    self._send_layers(peer, held, index, self._staging(len(held.block_ids)))
+                else:
+                    self._send_blocks(peer, held, index)
             self.stats.served += 1
         except zmq.ZMQError as e:  # the fetcher went away mid-send; the transfer stays held
             self.stats.send_errors += 1
             log.warning("kv transfer %s: sending failed: %s", held.transfer_id, e)
 
     def _header(self, held: _Held, mode: str, sums: list[int], shm_name: str = "") -> wire.Header:
-        nbytes = self.layout.frame_nbytes(len(held.block_ids)) * self.layout.num_layers
+        nbytes = self.layout.wire_nbytes(len(held.block_ids))
         return wire.Header(held.transfer_id, mode, self.layout, held.block_hashes, held.token_ids, nbytes, sums,
                            shm_name)
 
-    def _frames(self, tensors: list[torch.Tensor]) -> tuple[list[memoryview], list[int]]:
-        frames = [wire.as_bytes(t) for t in tensors]
+    def _staging(self, num_blocks: int) -> list[list[torch.Tensor]]:
+        """Per layer, where a TCP reply is gathered: warm memory, reused once ZeroMQ has sent every frame of
+        it (a frame queued zero-copy keeps its buffer referenced, see warm_buffers)."""
+        size = wire.frame_offsets(self.layout.wire_nbytes(num_blocks))[1]
+        return wire.frame_views(torch.from_numpy(self.buffers.take(size)), self.layout, num_blocks)
+
+    def _layer_frames(self, i: int, index: torch.Tensor,
+                      out: list[torch.Tensor]) -> tuple[list[memoryview], list[int]]:
+        """Layer i gathered into `out`, as frames with their checksums. Summed layer by layer, right after
+        the gather, while the bytes are still in the CPU's cache."""
+        frames = [wire.as_bytes(t) for t in gather_layer(self.caches[i], index, self.block_size, out)]
         sums = [wire.checksum(f) for f in frames]
-        return (self._tamper(frames) if self._tamper else frames), sums
+        return (self._tamper(frames) if self._tamper else frames), sums  # the hook sees them after summing
 
     def _send(self, peer: bytes, meta: msgspec.Struct, frames: list[memoryview]) -> None:
         self._sock.send_multipart([peer, wire.encode(meta), *frames], copy=False)
         self.stats.bytes_sent += sum(f.nbytes for f in frames)
 
     def _send_blocks(self, peer: bytes, held: _Held, index: torch.Tensor) -> None:
-        gathered = [t for cache in self.caches for t in gather_layer(cache, index, self.block_size)]
-        frames, sums = self._frames(gathered)
+        frames, sums = [], []
+        for i, out in enumerate(self._staging(len(held.block_ids))):
+            f, c = self._layer_frames(i, index, out)
+            frames += f
+            sums += c
         self._send(peer, self._header(held, "blocks", sums), frames)
 
-    def _send_layers(self, peer: bytes, held: _Held, index: torch.Tensor) -> None:
-        # zmq's I/O thread sends layer i while this thread gathers layer i + 1.
-        self._send(peer, self._header(held, "layers", []), [])
-        for i, cache in enumerate(self.caches):
-            frames, sums = self._frames(gather_layer(cache, index, self.block_size))
-            self._send(peer, wire.LayerHeader(i, sums), frames)
+    def _send_layers(self, peer: bytes, held: _Held, index: torch.Tensor, views: list[list[torch.Tensor]],
+                     shm_name: str = "") -> None:
+        """Header, then layer by layer: zmq's I/O thread sends layer i (or the fetcher copies it out of the
+        segment) while this thread gathers layer i + 1. In a segment, the frames stay there."""
+        self._send(peer, self._header(held, "shm" if shm_name else "layers", [], shm_name), [])
+        for i, out in enumerate(views):
+            frames, sums = self._layer_frames(i, index, out)  # a tamper hook writes into the segment itself
+            self._send(peer, wire.LayerHeader(i, sums), [] if shm_name else frames)
 
-    def _try_shm(self, peer: bytes, held: _Held, index: torch.Tensor, lease_s: float) -> bool:
+    def _send_shm(self, peer: bytes, held: _Held, index: torch.Tensor, lease_s: float) -> bool:
+        """Serve through a shared-memory segment; False (nothing sent) when there is none to be had."""
+        size = wire.frame_offsets(self.layout.wire_nbytes(len(held.block_ids)))[1]
         try:
-            self._send_shm(peer, held, index, lease_s)
-            return True
+            if held.segment is None:  # a second fetch of the same transfer rewrites the same bytes
+                held.segment = self.segment_pool.acquire(size)
         except OSError as e:  # /dev/shm full or unavailable: TCP still works
             log.warning("kv transfer %s: no shared memory (%s), sending over TCP", held.transfer_id, e)
             return False
-
-    def _send_shm(self, peer: bytes, held: _Held, index: torch.Tensor, lease_s: float) -> None:
-        specs = self.layout.frame_specs(len(held.block_ids))
-        offsets, size = wire.frame_offsets(self.layout.frame_nbytes(len(held.block_ids)) * self.layout.num_layers)
-        if held.segment is None:
-            held.segment = shm.create(size)
-        out = shm.views(held.segment, offsets, specs * self.layout.num_layers)
-        k = len(specs)
-        gathered = [t for i, c in enumerate(self.caches) for t in gather_layer(c, index, self.block_size,
-                                                                                out[i * k : (i + 1) * k])]
-        _, sums = self._frames(gathered)  # a tamper hook writes into the segment itself
-        del out, gathered  # no view of the segment may outlive this call: it is unlinked on release
         held.lease_until = max(held.lease_until, time.monotonic() + lease_s)
-        self._send(peer, self._header(held, "shm", sums, held.segment.name), [])
+        views = wire.frame_views(torch.frombuffer(held.segment.buf, dtype=torch.uint8), self.layout,
+                                 len(held.block_ids))
+        self._send_layers(peer, held, index, views, held.segment.name)
         self.stats.served_shm += 1
         self.stats.bytes_sent += size
+        return True  # and no view of the segment outlives this call: it goes back to the pool on release
 
     def _on_release_msg(self, peer: bytes, req: wire.Release) -> None:
         with self._lock:
@@ -269,8 +284,9 @@ class KVSource:
             self._recent[held.transfer_id] = how
             while len(self._recent) > RECENT:
                 self._recent.popitem(last=False)
-        if held.segment is not None:
-            shm.destroy(held.segment)
+        if held.segment is not None:  # the fetcher copied it out before acking, or its lease is over
+            self.segment_pool.release(held.segment)
+            held.segment = None
         field = "released_on_close" if how == "close" else f"released_by_{how}"
         setattr(self.stats, field, getattr(self.stats, field) + 1)
         try:
@@ -290,12 +306,3 @@ class KVSource:
             self.stats.send_errors += 1
             log.debug("kv source: reply to a gone fetcher dropped: %s", e)
 
-
-def _advertised(endpoint: str, host: str | None) -> str:
-    """The bound endpoint with the host a fetcher should dial (a wildcard bind needs `advertise_host`)."""
-    if not endpoint.startswith("tcp://"):
-        return endpoint
-    bound, _, port = endpoint[len("tcp://"):].rpartition(":")
-    if host is None and bound in ("0.0.0.0", "*", "[::]"):
-        host = socket.gethostname()
-    return f"tcp://{host or bound}:{port}"

@@ -50,7 +50,7 @@ class ServerSettings:
     # workers (POST /kv/prefill); decode: pulls KV named by a request's `kv_transfer_params`; both: either.
     role: str = "both"
     kv_transfer_port: int | None = None  # the prefill side's ZeroMQ port for KV pulls (0: any free port)
-    kv_transfer_mode: str = "blocks"  # blocks: one message per transfer; layers: one per layer, pipelined
+    kv_transfer_mode: str = "layers"  # layers: one message per layer, pipelined (measured faster); blocks: one
     kv_hold_timeout: float = 30.0  # seconds a prefill worker keeps KV nobody has pulled
     kv_fetch_timeout: float = 10.0  # seconds a decode worker waits for a pull before prefilling itself
 

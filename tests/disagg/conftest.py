@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvyard.disagg.layout import KVLayout
+from kvyard.disagg.zmq_transport import KVFetcher
 from kvyard.engine.block_manager import block_hashes
 from kvyard.models.kv_layer import LayerKV
 
@@ -81,3 +82,11 @@ def caches() -> list[LayerKV]:
 @pytest.fixture
 def layout(caches) -> KVLayout:
     return KVLayout.of(caches, BLOCK)
+
+
+@pytest.fixture
+def shm_fetcher():
+    f = KVFetcher()
+    assert f.allow_shm, "this host has no /dev/shm or boot id"
+    yield f
+    f.close()

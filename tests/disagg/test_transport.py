@@ -25,14 +25,6 @@ def fetcher():
     f.close()
 
 
-@pytest.fixture
-def shm_fetcher():
-    f = KVFetcher()
-    assert f.allow_shm, "this host has no /dev/shm or boot id"
-    yield f
-    f.close()
-
-
 def open_pair(caches, path: str) -> tuple[KVSource, KVFetcher]:
     mode, use_shm = PATHS[path]
     return KVSource(caches, BLOCK, mode=mode), KVFetcher(allow_shm=use_shm)
@@ -61,8 +53,9 @@ def test_transfer_is_bit_exact_and_released_by_ack(path, int8):
         assert payload.nbytes == 3 * layout.block_nbytes()
         assert offer.released.count == 1  # before fetch returned: the source confirmed the release
         assert source.stats.released_by_ack == 1 and source.stats.served_shm == (path == "shm")
-        assert source.num_held == 0 and segments() == []
+        assert source.num_held == 0 and source.segment_pool.num_idle == len(segments()) == (path == "shm")
     assert offer.released.count == 1  # close does not release it again
+    assert segments() == []  # the pooled segment is unlinked on close
 
 
 def test_fetcher_is_thread_safe(caches, layout, fetcher):
@@ -118,7 +111,7 @@ def test_a_corrupt_frame_is_refused(caches, layout, path):
         with pytest.raises(KVIntegrityError, match=r"layer \d v fails its checksum"):
             fetcher.fetch(source.endpoint, "t", layout, offer.hashes, timeout_s=5)
         assert offer.released.count == 1 and source.stats.released_by_reject == 1
-        assert wait_until(lambda: segments() == [])
+    assert segments() == []
 
 
 @pytest.mark.parametrize("path", ["blocks", "layers"])
@@ -195,11 +188,13 @@ def test_a_timeout_during_a_segment_copy_waits_for_the_copy(caches, layout, shm_
         payload = shm_fetcher.fetch(source.endpoint, "t", layout, offer.hashes, timeout_s=5)
         assert_same_kv(caches, offer.block_ids, payload)
         assert offer.released.count == 1 and source.stats.released_by_ack == 1
-        assert source.stats.served_shm == 1 and segments() == []
+        assert source.stats.served_shm == 1 and source.segment_pool.num_idle == 1
+    assert segments() == []
 
 
-def test_a_segment_is_unlinked_when_its_fetcher_dies(caches, layout):
-    """A fetcher that takes the shared-memory reply and vanishes: the source unlinks on timeout."""
+def test_a_segment_is_returned_when_its_fetcher_dies(caches, layout):
+    """A fetcher that takes the shared-memory reply and vanishes: the segment goes back to the pool on
+    timeout, and is unlinked on close."""
     with KVSource(caches, BLOCK) as source, zmq.Context() as ctx:
         offer = Offer("t", [1, 2]).offer_to(source, timeout_s=0.1)
         sock = ctx.socket(zmq.DEALER)
@@ -211,7 +206,8 @@ def test_a_segment_is_unlinked_when_its_fetcher_dies(caches, layout):
         assert len(segments()) == 1
         sock.close(linger=0)
         assert offer.released.event.wait(3)
-        assert segments() == [] and source.stats.released_by_timeout == 1
+        assert source.segment_pool.num_idle == 1 and source.stats.released_by_timeout == 1
+    assert segments() == []
 
 
 def test_close_releases_what_is_held_and_refuses_new_offers(caches):
@@ -297,7 +293,8 @@ def test_an_invisible_segment_falls_back_to_tcp(caches, layout, shm_fetcher, mon
     with KVSource(caches, BLOCK) as source:
         offer = Offer("t", [3, 1]).offer_to(source)
         assert_same_kv(caches, offer.block_ids, shm_fetcher.fetch(source.endpoint, "t", layout, offer.hashes, 5))
-        assert source.stats.served == 2 and source.stats.served_shm == 1 and segments() == []
+        assert source.stats.served == 2 and source.stats.served_shm == 1 and source.num_held == 0
+    assert segments() == []
 
 
 def test_no_shared_memory_on_the_source_falls_back_to_tcp(caches, layout, shm_fetcher, monkeypatch):
