@@ -5,9 +5,9 @@ that model would send for a `--tokens`-long prompt.
 """
 
 import argparse
-import json
 import sys
 
+from kvyard.bench.output import emit_json
 from kvyard.config import parse_dtype
 from kvyard.disagg.bandwidth import MODES, run_transfer_bench
 from kvyard.disagg.layout import KVLayout
@@ -43,9 +43,5 @@ def run_kv_transfer_bench(args: argparse.Namespace) -> int:
     layout = KVLayout(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                       block_size=args.block_size, dtype=dtype, quantized=int8)
     result = {"model": args.model, **run_transfer_bench(layout, args.tokens, args.repeats, modes)}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text + "\n")
+    emit_json(result, args.json_out)
     return 0

@@ -5,7 +5,6 @@ median of each figure and the ratio of the medians (with every round's ratio nex
 """
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -14,6 +13,7 @@ import time
 import torch
 
 from kvyard.bench import peers
+from kvyard.bench.output import emit_json
 from kvyard.bench.workload import Workload, random_workload
 from kvyard.cli.engine_args import add_engine_args, engine_config_from_args
 from kvyard.llm import LLM
@@ -143,9 +143,5 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         "rounds": rounds,
         "notes": notes,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text + "\n")
+    emit_json(result, args.json_out)
     return 0

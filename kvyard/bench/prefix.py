@@ -1,11 +1,11 @@
 """`kvyard bench prefix`: time to first token of a long prompt whose prefix is cached, against cold."""
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
+from kvyard.bench.output import emit_json
 from kvyard.bench.workload import random_workload
 from kvyard.cli.engine_args import add_engine_args, engine_config_from_args
 from kvyard.llm import LLM
@@ -57,8 +57,5 @@ def run_prefix_bench(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "ttft_cold_ms": cold_ms, "ttft_cached_ms": cached_ms, "speedup": cold_ms / cached_ms, "rounds": rounds,
     }
-    print(json.dumps(result, indent=2))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(json.dumps(result, indent=2) + "\n")
+    emit_json(result, args.json_out)
     return 0
