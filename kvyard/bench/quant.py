@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from kvyard.bench.decode_steps import timed_decode_steps
+from kvyard.bench.output import emit_json
 from kvyard.bench.workload import random_workload
 from kvyard.config import EngineConfig, parse_dtype
 from kvyard.llm import LLM
@@ -142,8 +143,5 @@ def run_quant_bench(args: argparse.Namespace) -> int:
                      "repeats": args.repeats},
         "schemes": table, "rounds": rounds, "checkpoints": str(out_root),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    emit_json(result, args.json_out)
     return 0

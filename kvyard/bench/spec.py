@@ -10,7 +10,6 @@ The load row submits `--concurrency` requests at once, adaptive speculation on a
 """
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from kvyard.bench.output import emit_json
 from kvyard.llm import LLM
 from kvyard.sampling_params import SamplingParams
 from kvyard.spec.decoding import SpeculativeDecoding
@@ -246,11 +246,9 @@ def run_spec_bench(args: argparse.Namespace) -> int:
         result["rows"].append(batch1_row(engines, row, args.repeats))
     if "load" in args.rows.split(","):
         result["load"] = load_row(engines, args)
-    text, table = json.dumps(result, indent=2), markdown(result)
-    print(text)
+    emit_json(result, args.json_out)
+    table = markdown(result)
     print(table)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
     if args.md_out:
         Path(args.md_out).write_text(table + "\n")
     return 0

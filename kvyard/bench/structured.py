@@ -6,15 +6,14 @@ latency each of them sees), measured after all prompts are prefilled.
 """
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from kvyard.bench.decode_steps import timed_decode_steps
+from kvyard.bench.output import emit_json
 from kvyard.config import EngineConfig
 from kvyard.llm import LLM
 from kvyard.sampling_params import SamplingParams
@@ -102,8 +101,5 @@ def run_structured_bench(args: argparse.Namespace) -> int:
     result = {"model": llm.engine.model_path.name, "dtype": args.dtype, "threads": torch.get_num_threads(),
               "steps": args.steps, "median_itl_ms": med, "itl_overhead": overhead, "compile": compile_ms,
               "rounds": rounds}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    emit_json(result, args.json_out)
     return 0

@@ -160,8 +160,14 @@ def draw_random(tokens: torch.Tensor, logits: torch.Tensor, reqs: list[Request],
         tokens[[rows[j] for j in unseeded]] = picked.to(tokens.dtype)
     for j, r in enumerate(sub):
         if r.params.seed is not None:
-            noise = torch.empty(probs.shape[1]).exponential_(generator=r.generator).to(probs.device)
-            tokens[rows[j]] = (probs[j] / noise).argmax()
+            tokens[rows[j]] = draw(probs[j], r.generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from `probs` (1-D, need not be normalised) by the exponential race, with the given
+    generator; the noise is made on the CPU, where a request's generator lives."""
+    noise = torch.empty(probs.shape[0]).exponential_(generator=generator).to(probs.device)
+    return int((probs / noise).argmax())
 
 
 def process_logits(logits: torch.Tensor, reqs: list[Request]) -> None:

@@ -8,15 +8,7 @@ p(d), and on rejection draw from p with d removed, renormalised.
 
 import torch
 
-
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from `probs` (1-D, need not be normalised) with the request's own generator.
-
-    The exponential race, argmax(p / E) with E ~ Exp(1), as the engine's sampler draws: the noise is
-    made on the CPU, where a request's generator lives.
-    """
-    noise = torch.empty(probs.shape[0]).exponential_(generator=generator).to(probs.device)
-    return int((probs / noise).argmax())
+from kvyard.engine.sampler import draw
 
 
 def rejection_sample(

@@ -6,6 +6,9 @@ import sys
 
 import torch
 
+from kvyard.spec.speculator.config import TrainConfig
+
+DEFAULTS = TrainConfig(target="", prompts="", out="")
 
 def add_speculator_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("speculator", help="trained speculators for speculative decoding")
@@ -15,23 +18,23 @@ def add_speculator_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--prompts", required=True,
                    help="workload: .jsonl ({'prompt'} or {'messages'} per line) or text, one prompt per line")
     t.add_argument("--out", required=True, help="directory for speculator.json and model.safetensors")
-    t.add_argument("--init-layers", default="0,1",
+    t.add_argument("--init-layers", default=",".join(map(str, DEFAULTS.init_layers)),
                    help="target layers the drafter's layers start from (their count is its depth; -1 = last)")
-    t.add_argument("--draft-vocab", type=int, default=8192,
+    t.add_argument("--draft-vocab", type=int, default=DEFAULTS.draft_vocab,
                    help="tokens the drafter may propose: the target's most frequent outputs (0 = all)")
-    t.add_argument("--loss", choices=("hard", "soft"), default="hard",
+    t.add_argument("--loss", choices=("hard", "soft"), default=DEFAULTS.loss,
                    help="fit the target's argmax (hard) or its top-20 distribution (soft)")
-    t.add_argument("--prompt-lookup", action=argparse.BooleanOptionalAction, default=True,
+    t.add_argument("--prompt-lookup", action=argparse.BooleanOptionalAction, default=DEFAULTS.prompt_lookup,
                    help="draft by prompt lookup where the context repeats itself, by the model elsewhere")
-    t.add_argument("--max-tokens", type=int, default=160, help="tokens generated per prompt")
+    t.add_argument("--max-tokens", type=int, default=DEFAULTS.max_tokens, help="tokens generated per prompt")
     t.add_argument("--num-prompts", type=int, default=None, help="use the file's first N prompts")
-    t.add_argument("--temperature", type=float, default=0.0, help="of the data generation (0: greedy)")
-    t.add_argument("--epochs", type=int, default=6)
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per training batch")
-    t.add_argument("--holdout", type=float, default=0.05, help="share of samples kept for the acceptance estimate")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--dtype", default="bfloat16", help="of the engine that generates the data")
+    t.add_argument("--temperature", type=float, default=DEFAULTS.temperature, help="of the data generation (0: greedy)")
+    t.add_argument("--epochs", type=int, default=DEFAULTS.epochs)
+    t.add_argument("--lr", type=float, default=DEFAULTS.lr)
+    t.add_argument("--batch-tokens", type=int, default=DEFAULTS.batch_tokens, help="padded tokens per training batch")
+    t.add_argument("--holdout", type=float, default=DEFAULTS.holdout, help="share of samples kept for the acceptance estimate")
+    t.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    t.add_argument("--dtype", default=DEFAULTS.dtype, help="of the engine that generates the data")
     t.add_argument("--data-cache", default=None,
                    help="file for the generated samples: reused if it exists (retrain without regenerating)")
     t.add_argument("--num-threads", type=int, default=None)
@@ -39,7 +42,7 @@ def add_speculator_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from kvyard.spec.speculator.train import TrainConfig, train_speculator
+    from kvyard.spec.speculator.train import train_speculator
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)

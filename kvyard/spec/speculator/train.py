@@ -11,7 +11,6 @@ import math
 import pickle
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,34 +21,12 @@ from tqdm import tqdm
 from kvyard.llm import LLM
 from kvyard.loader.checkpoint import Checkpoint, load_checkpoint
 from kvyard.loader.registry import resolve_model
+from kvyard.spec.speculator.config import TrainConfig
 from kvyard.spec.speculator.distill import Sample, distill, output_token_counts
 from kvyard.spec.speculator.evaluate import evaluate
 from kvyard.spec.speculator.format import EMBED, HEAD, SpeculatorConfig, save_speculator, target_fingerprint
 from kvyard.spec.speculator.model import Drafter, choose_draft_vocab
 from kvyard.spec.speculator.prompts import read_prompts
-
-
-@dataclass
-class TrainConfig:
-    target: str
-    prompts: str
-    out: str
-    init_layers: list[int] = field(default_factory=lambda: [0, 1])  # negative: from the end
-    draft_vocab: int = 8192  # 0: the whole vocabulary
-    loss: str = "hard"  # hard (the target's argmax) or soft (its top-20 distribution)
-    max_tokens: int = 160  # per generated sample
-    num_prompts: int | None = None
-    temperature: float = 0.0  # of the data generation
-    epochs: int = 6
-    lr: float = 1e-3
-    batch_tokens: int = 1024
-    holdout: float = 0.05
-    seed: int = 0
-    dtype: str = "bfloat16"  # of the engine that generates the data (the serving dtype)
-    kv_cache_memory: str = "1GiB"
-    prompt_lookup: bool = True  # the speculator tries prompt lookup before its model
-    data_cache: str | None = None  # distilled samples: read if the file exists, else written after generating
-    progress: bool = True
 
 
 def train_speculator(cfg: TrainConfig) -> dict:
