@@ -64,7 +64,7 @@ class PrefillService:
         port = settings.kv_transfer_port or 0
         host = settings.host if settings.host not in ("0.0.0.0", "::") else socket.gethostname()
         self.source = KVSource(engine.kv_caches, engine.block_size, bind=f"tcp://{settings.host}:{port}",
-                                         advertise_host=host, mode=settings.kv_transfer_mode)
+                               advertise_host=host, mode=settings.kv_transfer_mode)
 
     async def prefill(self, request_id: str, token_ids: list[int]) -> dict[str, object]:
         """Run the prompt, then offer its KV; the answer is a decode worker's `kv_transfer_params`."""
