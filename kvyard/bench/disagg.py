@@ -13,13 +13,15 @@ them (`--threads split` halves them instead). Two workloads run on each:
   them all local, and must not be slower than colocated (output tokens/s and TTFT).
 
 Also: KV transfer throughput (bytes the decode worker pulled / time its pulls took, from its metrics)
-against the loopback TCP bandwidth measured in the same run.
+against the loopback TCP bandwidth measured in the same run, idle before the deployments start and again
+during the mixed workload (the limit under the same load as the pulls).
 """
 
 import argparse
 import asyncio
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,9 +33,11 @@ from kvyard.bench.route import _wait_all_healthy, delta, scrape
 from kvyard.bench.serve_client import RequestResult, stream_request
 from kvyard.bench.serve_metrics import distribution
 from kvyard.bench.serve_workloads import TextSource, load_tokenizer
+from kvyard.disagg.bandwidth import loopback_tcp_gbps
 from kvyard.router.launcher import Cluster, ClusterSpec, split_args
 
 _PCTS = [50.0, 99.0]
+LOOPBACK_PROBE_BYTES = 48 << 20  # about one long prompt's KV (2,000 tokens of SmolLM2: 46 MB)
 
 
 def add_disagg_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -83,8 +87,15 @@ async def mixed(url: str, args: argparse.Namespace, texts: TextSource) -> dict[s
             body = _body(texts.text(args.long_prompt), args.long_output)
             return await stream_request(client, "/v1/completions", body, 600, start, args.long_output)
 
+        async def loopback_under_load() -> float:
+            """Loopback TCP while the streams run (between long prompts): the limit under the same load."""
+            await asyncio.sleep(warmup + args.long_interval / 2)
+            return statistics.median([await asyncio.to_thread(loopback_tcp_gbps, LOOPBACK_PROBE_BYTES)
+                                      for _ in range(3)])
+
         loops = [asyncio.create_task(stream_loop()) for _ in range(args.streams)]
         warmup = 3.0
+        probe = asyncio.create_task(loopback_under_load())
         longs = await asyncio.gather(*(long_prompt(warmup + i * args.long_interval) for i in range(args.long_count)))
         stop.set()
         await asyncio.gather(*loops)
@@ -97,6 +108,7 @@ async def mixed(url: str, args: argparse.Namespace, texts: TextSource) -> dict[s
         "itl_ms": distribution(itls, _PCTS),
         "long_ttft_ms": distribution([r.ttft for r in ok_longs if r.ttft is not None], _PCTS),
         "long_prompt_tokens": [r.prompt_tokens for r in ok_longs],
+        "loopback_tcp_gbps_under_load": await probe,
     }
 
 
@@ -182,13 +194,13 @@ def compare(colocated: dict[str, Any], disagg: dict[str, Any], loopback_gbps: fl
                                                             pct(colocated["short_only"], "ttft_ms", "p50")),
         "loopback_tcp_gbps": loopback_gbps,
         "transfer_over_loopback": _ratio(disagg["kv_transfer_gbps"], loopback_gbps),
+        "loopback_tcp_gbps_under_load": d["loopback_tcp_gbps_under_load"],
+        "transfer_over_loopback_under_load": _ratio(disagg["kv_transfer_gbps"], d["loopback_tcp_gbps_under_load"]),
     }
 
 
 def run_disagg_bench(args: argparse.Namespace) -> int:
     import os
-
-    from kvyard.disagg.bandwidth import loopback_tcp_gbps
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

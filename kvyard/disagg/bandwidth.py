@@ -25,7 +25,7 @@ from kvyard.disagg.zmq_transport import KVFetcher, KVSource
 from kvyard.engine.block_manager import block_hashes
 from kvyard.models.kv_layer import LayerKV
 
-MODES = ("blocks", "layers", "shm")
+MODES = ("blocks", "layers", "shm", "shm-in-place")
 
 
 def loopback_tcp_gbps(nbytes: int) -> float:
@@ -111,9 +111,10 @@ class _Mode:
 
     def __init__(self, mode: str, caches: list[LayerKV], block_size: int):
         self.mode, self.block_size = mode, block_size
-        self.source = KVSource(caches, block_size, mode="layers" if mode == "layers" else "blocks",
-                               allow_shm=mode == "shm")
-        self.fetcher = KVFetcher(allow_shm=mode == "shm")
+        shm = mode.startswith("shm")
+        self.source = KVSource(caches, block_size, mode="layers" if mode == "layers" else "blocks", allow_shm=shm)
+        self.fetcher = KVFetcher(allow_shm=shm)
+        self.in_place = mode == "shm-in-place"  # views of the segment, no checksums: what a decode worker does
         self.seconds: list[float] = []
 
     def transfer(self, layout: KVLayout, block_ids: list[int], round_no: int, check: bool) -> None:
@@ -122,13 +123,18 @@ class _Mode:
         tid = f"bench-{self.mode}-{round_no}"
         self.source.offer(tid, block_ids, hashes, tokens, lambda: None, timeout_s=60.0)
         start = time.perf_counter()
-        payload = self.fetcher.fetch(self.source.endpoint, tid, layout, hashes, timeout_s=60.0)
+        payload = self.fetcher.fetch(self.source.endpoint, tid, layout, hashes, timeout_s=60.0,
+                                     in_place=self.in_place)
         self.seconds.append(time.perf_counter() - start)
         if check:
             want = gather_blocks(self.source.caches, block_ids, self.block_size)
             if not all(torch.equal(a, b) for wl, gl in zip(want, payload.tensors, strict=True)
                        for a, b in zip(wl, gl, strict=True)):
                 raise AssertionError(f"{self.mode}: the fetched KV differs from the source's")
+        payload.finish()  # in place: the ack (a copied payload was acknowledged before fetch returned)
+        deadline = time.monotonic() + 5.0
+        while self.source.num_held and time.monotonic() < deadline:  # the segment back in the pool for the next
+            time.sleep(0.001)
 
     def close(self) -> None:
         self.source.close()

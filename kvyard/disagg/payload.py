@@ -6,7 +6,10 @@ or cache salt), missing or mis-sized tensors. `check_payload` raises `KVIntegrit
 reason; the transport raises `KVTransferError` when it cannot get a payload at all.
 """
 
-from dataclasses import dataclass
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,10 +33,30 @@ class KVPayload:
     token_ids: list[int]  # the tokens these blocks hold KV for: num_blocks * block_size of them
     tensors: list[list[torch.Tensor]]  # per layer [k, v] or [k, v, k_scale, v_scale], as gather_blocks returns
     nbytes: int
+    # In-place payloads (a same-host source's shared-memory segment, read without a copy) stay readable
+    # until this monotonic time and until `finish`; copied payloads are the caller's for good.
+    valid_until: float = math.inf
+    _finish: Callable[[str | None], None] | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_hashes)
+
+    @property
+    def in_place(self) -> bool:
+        return math.isfinite(self.valid_until)
+
+    def on_finish(self, finish: Callable[[str | None], None]) -> None:
+        self._finish = finish
+
+    def finish(self, problem: str | None = None) -> None:
+        """The caller is done with the tensors (`problem`: why they were unusable): the source may release
+        them. Idempotent and thread-safe; a no-op for a copied payload, which was acknowledged on arrival."""
+        with self._lock:
+            f, self._finish = self._finish, None
+        if f is not None:
+            f(problem)
 
 
 def check_payload(payload: KVPayload, layout: KVLayout, expected_hashes: list[bytes]) -> None:

@@ -10,11 +10,15 @@ segment is never rewritten while someone may still read it.
 Segments grow on demand: `acquire` takes the smallest free segment that fits, else creates one rounded up
 to `GRANULE`. Idle segments beyond `max_idle_bytes` are unlinked on release; all of them are unlinked on
 `close` and at interpreter exit. If the process dies, multiprocessing's resource tracker unlinks them.
+A prefill worker `warm`s one segment at start, sized for its longest prompt, so that no transfer pays the
+first-write cost.
 """
 
 import threading
 import weakref
 from multiprocessing.shared_memory import SharedMemory
+
+import numpy as np
 
 from kvyard.disagg import shm
 
@@ -50,6 +54,21 @@ class SegmentPool:
                 self._free.append(seg)
                 return
         shm.destroy(seg)
+
+    def warm(self, size: int) -> bool:
+        """Create one segment of `size` bytes and fault every page in now, so the first transfer does not
+        pay for it; False (nothing kept) when /dev/shm cannot hold it or the pool would not keep it."""
+        if -(-size // GRANULE) * GRANULE > self.max_idle_bytes:
+            return False
+        try:
+            seg = self.acquire(size)
+        except OSError:
+            return False
+        pages = np.frombuffer(seg.buf, dtype=np.uint8)
+        pages.fill(0)
+        del pages  # no view may outlive this: close() unmaps the segment
+        self.release(seg)
+        return True
 
     @property
     def idle_bytes(self) -> int:

@@ -54,8 +54,11 @@ class KVFetcherProtocol(Protocol):
     """The decode side: pulls one transfer, validates all of it, then lets the source release it."""
 
     def fetch(self, endpoint: str, transfer_id: str, layout: KVLayout, expected_hashes: list[bytes],
-              timeout_s: float) -> KVPayload:
-        """Raises KVTransferError (cannot get it) or KVIntegrityError (got something unusable)."""
+              timeout_s: float, in_place: bool = False) -> KVPayload:
+        """Raises KVTransferError (cannot get it) or KVIntegrityError (got something unusable).
+
+        `in_place`: the payload may stay in the transport's memory (readable until `valid_until`) and is
+        acknowledged when the caller calls `payload.finish()`; otherwise it is the caller's, acknowledged."""
         ...
 
     def close(self) -> None: ...

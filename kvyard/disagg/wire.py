@@ -2,7 +2,7 @@
 
 One fetch, over a DEALER (fetcher) → ROUTER (source) connection, all control messages msgpack:
 
-    fetcher: Fetch(transfer_id, layout, host_id, shm, lease_s)
+    fetcher: Fetch(transfer_id, layout, host_id, shm, lease_s, shm_checksums)
     source:  Refused(reason)                                   unknown id, layout mismatch, ...
           or [Header(mode="blocks", sums), frame, frame, ...]  every tensor of every layer in one message
           or Header(mode="layers"), then per layer [LayerHeader(index, sums), frame, ...]
@@ -39,6 +39,10 @@ class Fetch(msgspec.Struct, tag="fetch"):
     host_id: str = ""  # empty: no shared memory possible
     shm: bool = False  # the fetcher accepts a shared-memory reply
     lease_s: float = 0.0  # how long the fetcher may take to copy a shared-memory segment out
+    # False: a shared-memory reply carries no checksums (empty lists). Only for a fetcher that reads the
+    # segment in place within its lease: the bytes never leave this host's memory, the lease keeps the
+    # segment from reuse, and a checksum pass on each side cost a third of the transfer's time here.
+    shm_checksums: bool = True
 
 
 class Release(msgspec.Struct, tag="release"):
@@ -55,6 +59,7 @@ class Header(msgspec.Struct, tag="header"):
     token_ids: list[int]
     frame_nbytes: list[int]  # every frame of every layer, in order
     frame_checksum: list[int]  # xxh3-64 of each frame; empty in "layers" and "shm" modes (in each LayerHeader)
+    # and in a LayerHeader of an "shm" reply to a Fetch without shm_checksums
     shm_name: str = ""
 
 

@@ -10,6 +10,12 @@ Each fetch opens its own DEALER socket, so one KVFetcher serves any number of th
 frames are wrapped as tensors without a copy; "layers" and shared-memory replies are copied layer by layer
 into warm memory as they arrive (`receive.py` says why), the segment before the ack since the source
 reuses it after. If the segment cannot be opened (another /dev/shm namespace), the fetch retries over TCP.
+
+`fetch(..., in_place=True)` leaves a shared-memory reply where it is: the payload's tensors are read-only
+views of the source's segment, and the ack waits for `payload.finish()`. The source keeps the segment
+for the fetch's lease (its timeout, counted from before the request), so the views hold what the source
+wrote until `payload.valid_until`; a caller that finishes with them later must treat what it read as
+lost. Such a reply is checked for layout, hashes and sizes but not checksummed (wire.Fetch says why).
 """
 
 import logging
@@ -71,10 +77,11 @@ class _Connection:
             if self.monitor in dict(self.poller.poll(math.ceil(1000 * left))):
                 self.disconnected |= recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """`linger_ms`: how long ZeroMQ may still deliver what was sent last (close itself never blocks)."""
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
-        self.sock.close(linger=0)
+        self.sock.close(linger=linger_ms)
 
 
 class KVFetcher:
@@ -86,22 +93,30 @@ class KVFetcher:
         self._ctx = zmq.Context()
 
     def fetch(self, endpoint: str, transfer_id: str, layout: KVLayout, expected_hashes: list[bytes],
-              timeout_s: float) -> KVPayload:
-        """Pull transfer `transfer_id` from the source at `endpoint`, validated; then release it there."""
+              timeout_s: float, in_place: bool = False) -> KVPayload:
+        """Pull transfer `transfer_id` from the source at `endpoint`, validated; then release it there, or,
+        for a payload left in place, when the caller calls `payload.finish()`."""
         conn = _Connection(self._ctx, endpoint, timeout_s)
+        deferred = False
         try:
-            payload = self._pull(conn, transfer_id, layout, expected_hashes, self.allow_shm)
+            payload = self._pull(conn, transfer_id, layout, expected_hashes, self.allow_shm, in_place)
         except KVIntegrityError as e:
             self._release(conn, wire.Release(transfer_id, ok=False, reason=str(e)))
             raise
         else:
-            self._release(conn, wire.Release(transfer_id))
+            if payload.in_place:
+                payload.on_finish(lambda problem: _release_later(conn, transfer_id, problem))
+                deferred = True
+            else:
+                self._release(conn, wire.Release(transfer_id))
             return payload
         finally:
-            conn.close()
+            if not deferred:
+                conn.close()
 
     def close(self) -> None:
-        self._ctx.term()
+        # destroy, not term: a payload left in place and never finished still has its socket open.
+        self._ctx.destroy(linger=1000)
 
     def __enter__(self) -> "KVFetcher":
         return self
@@ -110,9 +125,9 @@ class KVFetcher:
         self.close()
 
     def _pull(self, conn: _Connection, transfer_id: str, layout: KVLayout, expected: list[bytes],
-              use_shm: bool) -> KVPayload:
+              use_shm: bool, in_place: bool) -> KVPayload:
         lease_s = max(0.0, conn.deadline - time.monotonic())  # how long the source keeps a segment for us
-        conn.send(wire.Fetch(transfer_id, layout, wire.host_id(), use_shm, lease_s))
+        conn.send(wire.Fetch(transfer_id, layout, wire.host_id(), use_shm, lease_s, shm_checksums=not in_place))
         msg = conn.recv("a reply")
         header = _decode(wire.decode_reply, msg[0], f"transfer {transfer_id}: reply")
         if isinstance(header, wire.Refused):
@@ -130,23 +145,27 @@ class KVFetcher:
             frames = self._recv_layers(conn, header, per_layer, copier.layer)
         elif header.mode == "shm":
             _expect_no_data(header, msg)
-            copier = _open_segment(header, per_layer, self.buffers)
+            copier = _open_segment(header, per_layer, None if in_place else self.buffers)
             if copier is None:  # not visible here (another /dev/shm namespace): ask again, over TCP
                 self._recv_layers(conn, header, per_layer, None)  # skip the announcements still on their way
-                return self._pull(conn, transfer_id, layout, expected, use_shm=False)
-            frames = self._recv_layers(conn, header, per_layer, copier.layer)
+                return self._pull(conn, transfer_id, layout, expected, False, in_place)
+            frames = self._recv_layers(conn, header, per_layer, copier.layer, checksums=not in_place)
         else:
             raise KVIntegrityError(f"transfer {transfer_id}: unknown transfer mode {header.mode!r}")
         payload = KVPayload(transfer_id, header.layout, header.block_hashes, header.token_ids,
                             _typed(frames, layout, len(expected)), sum(header.frame_nbytes))
         check_payload(payload, layout, expected)
+        if header.mode == "shm" and in_place:
+            payload.valid_until = conn.deadline  # the source's lease on the segment lasts at least this long
         return payload
 
     def _recv_layers(self, conn: _Connection, header: wire.Header, per_layer: int,
-                     read_layer: Callable[[int, list[zmq.Frame]], list[torch.Tensor]] | None) -> list[torch.Tensor]:
+                     read_layer: Callable[[int, list[zmq.Frame]], list[torch.Tensor]] | None,
+                     checksums: bool = True) -> list[torch.Tensor]:
         """Layer by layer, each checked as it arrives while the source is still producing the next one.
 
         `read_layer(i, data frames of layer i's message)` gives layer i's tensors; None only skips the messages.
+        `checksums` False: sizes only (a shared-memory segment read in place, see wire.Fetch).
         """
         tid, num_layers = header.transfer_id, header.layout.num_layers
         frames: list[torch.Tensor] = []
@@ -159,7 +178,7 @@ class KVFetcher:
                 continue
             layer = read_layer(i, msg[1:])
             sizes = header.frame_nbytes[len(frames) : len(frames) + per_layer]
-            _check_frames(tid, layer, sizes, meta.frame_checksum, len(frames), per_layer)
+            _check_frames(tid, layer, sizes, meta.frame_checksum if checksums else None, len(frames), per_layer)
             frames += layer
         return frames
 
@@ -177,6 +196,17 @@ class KVFetcher:
         except KVTransferError as e:
             log.warning("kv transfer %s: release not confirmed (the source releases it on timeout): %s",
                         msg.transfer_id, e)
+
+
+def _release_later(conn: _Connection, transfer_id: str, problem: str | None) -> None:
+    """Ack an in-place payload once its reader is done. Sends without waiting for the confirmation, so the
+    engine thread may call it; ZeroMQ delivers the message after the socket is closed."""
+    try:
+        conn.send(wire.Release(transfer_id, ok=problem is None, reason=problem or ""))
+    except KVTransferError as e:  # the source releases it when the lease runs out
+        log.warning("kv transfer %s: release not sent: %s", transfer_id, e)
+    finally:
+        conn.close(linger_ms=1000)
 
 
 def _decode(decoder: Callable[[memoryview], T], frame: zmq.Frame, what: str) -> T:
@@ -206,22 +236,24 @@ def _expect_no_data(header: wire.Header, msg: list[zmq.Frame]) -> None:
                                f"{header.mode} header")
 
 
-def _check_frames(tid: str, frames: list[torch.Tensor], sizes: list[int], sums: list[int], first: int,
+def _check_frames(tid: str, frames: list[torch.Tensor], sizes: list[int], sums: list[int] | None, first: int,
                   per_layer: int) -> None:
-    """Count, sizes and checksums of `frames`, which are frames first, first + 1, ... of the transfer."""
-    if len(frames) != len(sizes) or len(sums) != len(sizes):
-        raise KVIntegrityError(f"transfer {tid}: {len(frames)} data frames and {len(sums)} checksums, "
+    """Count, sizes and checksums (unless `sums` is None) of `frames`, which are frames first, first + 1, ...
+    of the transfer."""
+    if len(frames) != len(sizes) or (sums is not None and len(sums) != len(sizes)):
+        raise KVIntegrityError(f"transfer {tid}: {len(frames)} data frames and {len(sums or [])} checksums, "
                                f"expected {len(sizes)} (short or padded transfer)")
-    for k, (f, n, c) in enumerate(zip(frames, sizes, sums, strict=True)):
+    for k, (f, n) in enumerate(zip(frames, sizes, strict=True)):
         name = f"layer {(first + k) // per_layer} {TENSOR_NAMES[(first + k) % per_layer]}"
         if f.numel() != n:
             raise KVIntegrityError(f"transfer {tid}: {name} has {f.numel()} bytes, expected {n}")
-        if wire.checksum(wire.as_bytes(f)) != c:
+        if sums is not None and wire.checksum(wire.as_bytes(f)) != sums[k]:
             raise KVIntegrityError(f"transfer {tid}: {name} fails its checksum (corrupted in transit)")
 
 
-def _open_segment(header: wire.Header, per_layer: int, buffers: WarmBuffers) -> LayerCopier | None:
-    """A copier out of the reply's segment; None when the segment is not visible here."""
+def _open_segment(header: wire.Header, per_layer: int, buffers: WarmBuffers | None) -> LayerCopier | None:
+    """A copier out of the reply's segment (`buffers` None: views in place); None when the segment is not
+    visible here."""
     offsets, size = wire.frame_offsets(header.frame_nbytes)
     segment = shm.read(header.shm_name, size)
     if segment is None:
@@ -229,7 +261,8 @@ def _open_segment(header: wire.Header, per_layer: int, buffers: WarmBuffers) -> 
     if segment.size < size:
         raise KVIntegrityError(f"transfer {header.transfer_id}: shared-memory segment holds {segment.size} "
                                f"bytes, expected {size} (short transfer)")
-    return LayerCopier(header.transfer_id, header.frame_nbytes, offsets, per_layer, buffers.take(size), segment)
+    dst = None if buffers is None else buffers.take(size)
+    return LayerCopier(header.transfer_id, header.frame_nbytes, offsets, per_layer, dst, segment)
 
 
 def _typed(frames: list[torch.Tensor], layout: KVLayout, num_blocks: int) -> list[list[torch.Tensor]]:

@@ -195,7 +195,7 @@ class KVSource:
         index = block_index(held.block_ids, self.caches[0].k.device)
         same_host = self.allow_shm and req.shm and req.host_id and req.host_id == wire.host_id()
         try:
-            if not (same_host and self._send_shm(peer, held, index, req.lease_s)):
+            if not (same_host and self._send_shm(peer, held, index, req.lease_s, req.shm_checksums)):
                 if self.mode == "layers":
                     self._send_layers(peer, held, index, self._staging(len(held.block_ids)))
                 else:
@@ -216,12 +216,12 @@ class KVSource:
         size = wire.frame_offsets(self.layout.wire_nbytes(num_blocks))[1]
         return wire.frame_views(torch.from_numpy(self.buffers.take(size)), self.layout, num_blocks)
 
-    def _layer_frames(self, i: int, index: torch.Tensor,
-                      out: list[torch.Tensor]) -> tuple[list[memoryview], list[int]]:
+    def _layer_frames(self, i: int, index: torch.Tensor, out: list[torch.Tensor],
+                      checksums: bool = True) -> tuple[list[memoryview], list[int]]:
         """Layer i gathered into `out`, as frames with their checksums. Summed layer by layer, right after
         the gather, while the bytes are still in the CPU's cache."""
         frames = [wire.as_bytes(t) for t in gather_layer(self.caches[i], index, self.block_size, out)]
-        sums = [wire.checksum(f) for f in frames]
+        sums = [wire.checksum(f) for f in frames] if checksums else []
         return (self._tamper(frames) if self._tamper else frames), sums  # the hook sees them after summing
 
     def _send(self, peer: bytes, meta: msgspec.Struct, frames: list[memoryview]) -> None:
@@ -237,15 +237,15 @@ class KVSource:
         self._send(peer, self._header(held, "blocks", sums), frames)
 
     def _send_layers(self, peer: bytes, held: _Held, index: torch.Tensor, views: list[list[torch.Tensor]],
-                     shm_name: str = "") -> None:
+                     shm_name: str = "", checksums: bool = True) -> None:
         """Header, then layer by layer: zmq's I/O thread sends layer i (or the fetcher copies it out of the
         segment) while this thread gathers layer i + 1. In a segment, the frames stay there."""
         self._send(peer, self._header(held, "shm" if shm_name else "layers", [], shm_name), [])
         for i, out in enumerate(views):
-            frames, sums = self._layer_frames(i, index, out)  # a tamper hook writes into the segment itself
+            frames, sums = self._layer_frames(i, index, out, checksums)  # a tamper hook writes into the segment
             self._send(peer, wire.LayerHeader(i, sums), [] if shm_name else frames)
 
-    def _send_shm(self, peer: bytes, held: _Held, index: torch.Tensor, lease_s: float) -> bool:
+    def _send_shm(self, peer: bytes, held: _Held, index: torch.Tensor, lease_s: float, checksums: bool) -> bool:
         """Serve through a shared-memory segment; False (nothing sent) when there is none to be had."""
         size = wire.frame_offsets(self.layout.wire_nbytes(len(held.block_ids)))[1]
         try:
@@ -257,7 +257,7 @@ class KVSource:
         held.lease_until = max(held.lease_until, time.monotonic() + lease_s)
         views = wire.frame_views(torch.frombuffer(held.segment.buf, dtype=torch.uint8), self.layout,
                                  len(held.block_ids))
-        self._send_layers(peer, held, index, views, held.segment.name)
+        self._send_layers(peer, held, index, views, held.segment.name, checksums)
         self.stats.served_shm += 1
         self.stats.bytes_sent += size
         return True  # and no view of the segment outlives this call: it goes back to the pool on release

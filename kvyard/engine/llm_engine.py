@@ -2,6 +2,7 @@
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -297,13 +298,17 @@ class LLMEngine:
         self.blocks.release(held.block_ids)
         return True
 
-    def adopt_kv(self, token_ids: list[int], block_hashes: list[bytes], tensors: list[list[torch.Tensor]]) -> int:
+    def adopt_kv(self, token_ids: list[int], block_hashes: list[bytes], tensors: list[list[torch.Tensor]],
+                 valid_until: float = math.inf) -> int:
         """Put KV blocks computed by another worker into the prefix cache; returns how many were new.
 
         `tensors` is per layer, block after block (kvyard/disagg/blocks.py). A request for the same prompt
-        added after this hits the blocks like any cached prefix.
+        added after this hits the blocks like any cached prefix. `valid_until` (monotonic): after then,
+        `tensors` (another process's shared memory) may have been rewritten, so a copy that ends later is
+        discarded (KVIntegrityError).
         """
         from kvyard.disagg.blocks import scatter_blocks
+        from kvyard.disagg.payload import KVIntegrityError
 
         taken = self.blocks.adopt(token_ids, block_hashes)
         if not taken:
@@ -312,6 +317,8 @@ class LLMEngine:
         try:
             scatter_blocks(self.runner.kv_caches, ids, self.cfg.block_size,
                            select_blocks(tensors, [i for i, _ in taken], self.cfg.block_size))
+            if time.monotonic() > valid_until:
+                raise KVIntegrityError(f"received KV was copied after its lease ran out ({len(ids)} blocks dropped)")
         except BaseException:
             self.blocks.forget(ids)  # never leave a registered block holding KV it did not get
             raise

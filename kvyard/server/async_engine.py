@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import itertools
 import logging
+import math
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -104,6 +105,8 @@ class ReceivedKV:
     token_ids: list[int]
     block_hashes: list[bytes]
     tensors: list[list[torch.Tensor]]  # per layer, block after block (kvyard/disagg/blocks.py)
+    valid_until: float = math.inf  # `tensors` may be the transport's memory, readable until then
+    finish: Callable[[str | None], None] = lambda problem: None  # tell the transport we are done (idempotent)
 
 
 @dataclass
@@ -195,6 +198,8 @@ class AsyncEngine:
         `held_kv`); `received` KV is adopted into the prefix cache first (prefill/decode disaggregation).
         """
         if not self.is_running:
+            if received is not None:
+                received.finish(None)
             raise EngineDeadError("the engine is not running")
         request_id = request_id or f"async-{next(self._ids)}"
         sink = sink if sink is not None else asyncio.Queue()
@@ -310,13 +315,11 @@ class AsyncEngine:
 
     def _add(self, cmd: _Add) -> None:
         if not cmd.done.set_running_or_notify_cancel():
+            if cmd.received is not None:
+                cmd.received.finish(None)
             return  # the caller gave up before we got here
         if cmd.received is not None:
-            kv = cmd.received
-            try:
-                self._engine.adopt_kv(kv.token_ids, kv.block_hashes, kv.tensors)
-            except Exception:  # the request recomputes what it cannot hit; it must not fail for this
-                log.exception("%s: adopting received KV failed; prefilling locally", cmd.request_id)
+            self._adopt(cmd.request_id, cmd.received)
         try:
             self._engine.add_request(cmd.prompt, cmd.params, cmd.request_id, hold_kv=cmd.hold_kv)
         except Exception as e:  # typed validation errors travel back as they are
@@ -324,6 +327,16 @@ class AsyncEngine:
             return
         self._sinks[cmd.request_id] = cmd.sink
         cmd.done.set_result(None)
+
+    def _adopt(self, request_id: str, kv: ReceivedKV) -> None:
+        problem = None
+        try:
+            self._engine.adopt_kv(kv.token_ids, kv.block_hashes, kv.tensors, kv.valid_until)
+        except Exception as e:  # the request recomputes what it cannot hit; it must not fail for this
+            problem = f"adopting failed: {e}"
+            log.exception("%s: adopting received KV failed; prefilling locally", request_id)
+        finally:
+            kv.finish(problem)
 
     def _held_kv(self, cmd: _HeldKV) -> None:
         if cmd.release:

@@ -56,6 +56,7 @@ class PrefillService:
     """The prefill side: computes a prompt's KV, holds it and offers it to decode workers."""
 
     def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: DisaggMetrics):
+        from kvyard.disagg import wire
         from kvyard.disagg.zmq_transport import KVSource
 
         self.engine = engine
@@ -65,6 +66,12 @@ class PrefillService:
         host = settings.host if settings.host not in ("0.0.0.0", "::") else socket.gethostname()
         self.source = KVSource(engine.kv_caches, engine.block_size, bind=f"tcp://{settings.host}:{port}",
                                advertise_host=host, mode=settings.kv_transfer_mode)
+        # A fresh segment's first write costs more than the transfer (136 ms for 46 MB here): pay it now,
+        # for the longest prompt this worker can take, if /dev/shm and the pool can hold that.
+        longest = -(-engine.max_model_len // engine.block_size)
+        warm = self.source.segment_pool.warm(wire.frame_offsets(self.source.layout.wire_nbytes(longest))[1])
+        log.info("kv source at %s; shared-memory segment %s", self.source.endpoint,
+                 "warmed" if warm else "not warmed (too large for the pool or /dev/shm)")
 
     async def prefill(self, request_id: str, token_ids: list[int]) -> dict[str, object]:
         """Run the prompt, then offer its KV; the answer is a decode worker's `kv_transfer_params`."""
@@ -131,8 +138,10 @@ class KVReceiver:
         expected = block_hashes(token_ids[: params.num_blocks * self.block_size], self.block_size)
         start = time.monotonic()
         try:
+            # In place: a same-host pull hands the engine views of the source's segment; the engine copies
+            # them into its cache and acknowledges (ReceivedKV.finish), one pass over the bytes fewer.
             payload = await asyncio.to_thread(self.fetcher.fetch, params.endpoint, params.transfer_id, self.layout,
-                                              expected, self.timeout)
+                                              expected, self.timeout, True)
         except (KVTransferError, KVIntegrityError) as e:
             outcome = "integrity" if isinstance(e, KVIntegrityError) else "transfer_failed"
             self.metrics.pulls.labels(outcome).inc()
@@ -145,7 +154,8 @@ class KVReceiver:
         self.metrics.pulls.labels("ok").inc()
         self.metrics.pulled_bytes.inc(payload.nbytes)
         self.metrics.pull_seconds.observe(time.monotonic() - start)
-        return ReceivedKV(payload.token_ids, payload.block_hashes, payload.tensors)
+        return ReceivedKV(payload.token_ids, payload.block_hashes, payload.tensors, payload.valid_until,
+                          payload.finish)
 
 
 class Disaggregation:

@@ -12,7 +12,8 @@ def test_token_gaps_are_placed_at_their_arrival_times():
 
 def test_compare_reports_ratios_against_colocated():
     def dep(itl: float, ttft: float, tput: float, gbps: float | None) -> dict:
-        run = {"itl_ms": {"p50": itl, "p99": 10 * itl}, "long_ttft_ms": {"p50": ttft}}
+        run = {"itl_ms": {"p50": itl, "p99": 10 * itl}, "long_ttft_ms": {"p50": ttft},
+               "loopback_tcp_gbps_under_load": 1.25}
         return {"mixed": run, "short_only": {"output_throughput": tput, "ttft_ms": {"p50": 5.0}},
                 "kv_transfer_gbps": gbps}
 
@@ -20,4 +21,4 @@ def test_compare_reports_ratios_against_colocated():
     assert r["itl_p50_colocated_over_disagg"] == 2.0 and r["itl_p99_colocated_over_disagg"] == 2.0
     assert r["long_ttft_p50_disagg_over_colocated"] == 1.5
     assert r["short_only_throughput_disagg_over_colocated"] == 0.9
-    assert r["transfer_over_loopback"] == 0.5
+    assert r["transfer_over_loopback"] == 0.5 and r["transfer_over_loopback_under_load"] == 0.8

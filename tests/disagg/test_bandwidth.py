@@ -13,7 +13,7 @@ def test_transfer_bench_reports_every_mode():
     r = run_transfer_bench(KVLayout(2, 2, 8, 4, "bfloat16", False), num_tokens=30, repeats=1)
     assert r["blocks"] == 8 and r["bytes"] == 8 * 4 * 2 * 2 * 2 * 8 * 2
     assert r["loopback_tcp_gbps"] > 0 and r["checksum_gbps"] > 0
-    assert set(r["modes"]) == {"blocks", "layers", "shm"}
+    assert set(r["modes"]) == {"blocks", "layers", "shm", "shm-in-place"}
     assert set(r["stages_ms"]) == {"gather", "checksum_one_side", "copy_to_receive_buffer", "scatter_into_cache"}
     for m in r["modes"].values():
         assert m["gbps"] > 0 and m["ms_per_transfer"] > 0 and m["ratio_to_loopback"] > 0

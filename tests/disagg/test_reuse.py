@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,8 @@ from kvyard.disagg.layout import KVLayout
 from kvyard.disagg.payload import KVIntegrityError
 from kvyard.disagg.shm_pool import GRANULE, SegmentPool
 from kvyard.disagg.warm_buffers import WarmBuffers
-from kvyard.disagg.zmq_transport import KVSource
-from tests.disagg.conftest import BLOCK, Offer, make_caches, segments
+from kvyard.disagg.zmq_transport import KVFetcher, KVSource
+from tests.disagg.conftest import BLOCK, NUM_BLOCKS, Offer, make_caches, segments
 from tests.disagg.test_transport import assert_same_kv, flip_first_byte, open_pair
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,3 +200,49 @@ def test_idle_segments_are_unlinked_at_interpreter_exit():
     assert done.returncode == 0, done.stderr
     assert not os.path.exists(os.path.join(shm_module.SHM_DIR, done.stdout.strip()))
     assert "leaked" not in done.stderr  # unlinked by the pool, not by the resource tracker
+
+
+def test_an_in_place_payload_reads_the_segment_and_holds_it_until_finish(caches, layout, shm_fetcher):
+    """in_place: views of the source's segment, checked, acknowledged only by finish(); meanwhile the next
+    transfer gets another segment, so the views keep their bytes."""
+    with KVSource(caches, BLOCK) as source:
+        first = Offer("a", [9, 3, 14], seed=1).offer_to(source)
+        payload = shm_fetcher.fetch(source.endpoint, "a", layout, first.hashes, 5, in_place=True)
+        assert payload.in_place and payload.valid_until > time.monotonic()
+        assert shm_fetcher.buffers.allocated == 0  # nothing was copied into a receive buffer
+        assert_same_kv(caches, first.block_ids, payload)
+        assert source.num_held == 1 and first.released.count == 0
+        second = Offer("b", [2, 7, 0], seed=2).offer_to(source)
+        shm_fetcher.fetch(source.endpoint, "b", layout, second.hashes, 5)  # copied, acked at once
+        assert source.segment_pool.created == 2 and second.released.count == 1
+        assert_same_kv(caches, first.block_ids, payload)  # untouched by the other transfer
+        payload.finish()
+        payload.finish()  # idempotent
+        assert first.released.event.wait(5) and first.released.count == 1
+        assert source.stats.released_by_ack == 2 and source.num_held == 0
+
+
+def test_an_in_place_payload_reports_its_problem(caches, layout, shm_fetcher):
+    with KVSource(caches, BLOCK) as source:
+        offer = Offer("a", [1, 2]).offer_to(source)
+        shm_fetcher.fetch(source.endpoint, "a", layout, offer.hashes, 5, in_place=True).finish("lease ran out")
+        assert offer.released.event.wait(5) and source.stats.released_by_reject == 1
+
+
+def test_in_place_over_tcp_is_an_ordinary_copy(caches, layout):
+    with KVSource(caches, BLOCK, mode="layers") as source, KVFetcher(allow_shm=False) as fetcher:
+        offer = Offer("a", [1, 2]).offer_to(source)
+        payload = fetcher.fetch(source.endpoint, "a", layout, offer.hashes, 5, in_place=True)
+        assert not payload.in_place and offer.released.count == 1  # acked before fetch returned
+        payload.finish()  # a no-op
+        assert_same_kv(caches, offer.block_ids, payload) and source.stats.released_by_ack == 1
+
+
+def test_a_warmed_segment_serves_the_first_transfer(caches, layout, shm_fetcher):
+    with KVSource(caches, BLOCK) as source:
+        size = wire.frame_offsets(layout.wire_nbytes(NUM_BLOCKS))[1]
+        assert source.segment_pool.warm(size) and source.segment_pool.created == 1
+        offer = Offer("a", [9, 3, 14]).offer_to(source)
+        assert_same_kv(caches, offer.block_ids, shm_fetcher.fetch(source.endpoint, "a", layout, offer.hashes, 5))
+        assert source.segment_pool.created == 1  # the warmed one, reused
+        assert not source.segment_pool.warm(source.segment_pool.max_idle_bytes + 1)  # the pool would not keep it

@@ -1,10 +1,13 @@
 """KV handed between engines (prefill/decode disaggregation): held blocks on the prefill side, adopted blocks
 on the decode side, greedy output identical to one engine doing both, and no block leaked either way."""
 
+import time
+
 import pytest
 
 from kvyard import LLM, SamplingParams
 from kvyard.disagg.blocks import gather_blocks
+from kvyard.disagg.payload import KVIntegrityError
 from kvyard.engine.block_manager import BlockManager, block_hashes
 from kvyard.engine.request import Request
 
@@ -91,3 +94,20 @@ def test_adopted_kv_gives_identical_greedy_tokens_and_is_hit(path):
     assert blocks.num_free_blocks == blocks.num_blocks
     prefill.engine.release_kv(held.request_id)
     assert prefill.engine.blocks.num_free_blocks == prefill.engine.blocks.num_blocks
+
+
+def test_kv_adopted_after_its_lease_is_dropped(path):
+    """In-place KV (another process's shared memory) copied after its lease ran out may have been rewritten:
+    the blocks are taken out of the prefix cache again and the request recomputes them."""
+    prefill, decode = make(path), make(path)
+    ids = prefill.engine.tokenize(PROMPT)
+    held = prefill_and_hold(prefill, ids)
+    usable = (len(ids) - 1) // 4
+    tensors = gather_blocks(prefill.engine.runner.kv_caches, held.block_ids[:usable], 4)
+    with pytest.raises(KVIntegrityError, match="lease ran out"):
+        decode.engine.adopt_kv(held.token_ids[: usable * 4], held.block_hashes[:usable], tensors,
+                               valid_until=time.monotonic() - 1)
+    blocks = decode.engine.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks and not blocks.cached
+    decode.generate([ids], GREEDY)
+    assert blocks.hit_tokens == 0

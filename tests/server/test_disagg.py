@@ -71,6 +71,8 @@ def test_disaggregated_output_equals_colocated_with_and_without_cache_hits(serve
         got = complete(d.url, ids, kv_transfer_params={k: params[k] for k in ("transfer_id", "endpoint",
                                                                                  "num_blocks")})
         assert got["choices"][0]["text"] == complete(c.url, ids)["choices"][0]["text"]
+        # Released by the decode worker's ack once it adopted the KV, well before the 3 s hold timeout.
+        assert wait_until(lambda: metric(p.url, "kvyard_kv_held_transfers") == 0, timeout=1.0)
     assert metric(d.url, "kvyard_kv_pulls_total", 'outcome="ok"') == 3
     assert metric(d.url, "kvyard_kv_pulled_bytes_total") > 0
     assert wait_until(lambda: all_blocks_free(p.url)) and all_blocks_free(d.url)
