@@ -24,6 +24,7 @@ from kvyard.config import EngineConfig, parse_dtype
 from kvyard.llm import LLM
 from kvyard.loader.registry import resolve_model
 from kvyard.quant.plan import DEFAULT_PROTECT
+from kvyard.quant.scheme import DEFAULT_ROUNDING, ROUNDINGS
 from kvyard.quant.tool import QuantizeOptions, QuantizeResult, kv_cache_fidelity, quantize_model
 from kvyard.sampling_params import SamplingParams
 
@@ -38,6 +39,8 @@ def add_quant_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mixed-weight", default="int4-g128")
     p.add_argument("--protect", default=None,
                    help="comma-separated layers kept dense, as for kvyard quantize (default: lm_head; '' for none)")
+    p.add_argument("--rounding", choices=ROUNDINGS, default=DEFAULT_ROUNDING,
+                   help="weight rounding, as for kvyard quantize: rtn (round to nearest) or gptq")
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per measurement")
@@ -112,7 +115,8 @@ def run_quant_bench(args: argparse.Namespace) -> int:
             continue
         r = quantize_model(QuantizeOptions(model=str(model_path), scheme=scheme, out=out_root / scheme,
                                            kl_budget=args.kl_budget, mixed_weight=args.mixed_weight,
-                                           dtype=args.dtype, sensitivity=scheme == "mixed", protect=protect))
+                                           dtype=args.dtype, sensitivity=scheme == "mixed", protect=protect,
+                                           rounding=args.rounding))
         fidelity[scheme] = {**_fidelity_row(r), "quantize_s": time.perf_counter() - t0}
         paths[scheme] = str(out_root / scheme)
         print(f"{scheme}: {json.dumps(fidelity[scheme])}", file=sys.stderr)
@@ -137,7 +141,7 @@ def run_quant_bench(args: argparse.Namespace) -> int:
                 entry[f"speedup_b{b}_per_round"] = [round(rd[f"{name}.b{b}"] / rd[f"{base}.b{b}"], 3) for rd in rounds]
         table[name] = entry
     result = {
-        "model": model_path.name, "dtype": args.dtype, "baseline": base, "machine": {"cpu_threads": torch.get_num_threads(),
+        "model": model_path.name, "dtype": args.dtype, "rounding": args.rounding, "baseline": base, "machine": {"cpu_threads": torch.get_num_threads(),
                                                                     "platform": platform.platform()},
         "workload": {"input_len": args.input_len, "decode_steps": args.decode_steps, "batch_sizes": batches,
                      "repeats": args.repeats},

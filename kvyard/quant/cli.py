@@ -4,7 +4,7 @@ import argparse
 from pathlib import Path
 
 from kvyard.quant.plan import DEFAULT_PROTECT
-from kvyard.quant.scheme import SCHEME_HELP
+from kvyard.quant.scheme import DEFAULT_ROUNDING, ROUNDINGS, SCHEME_HELP
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -15,7 +15,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     opts = QuantizeOptions(
         model=args.model, scheme=args.scheme, out=Path(args.out), calib=args.calib, kl_budget=args.kl_budget,
         protect=protect, mixed_weight=args.mixed_weight, dtype=args.dtype, max_seq_len=args.max_seq_len,
-        sensitivity=not args.no_sensitivity, tool_eval=not args.no_tool_eval,
+        sensitivity=not args.no_sensitivity, tool_eval=not args.no_tool_eval, rounding=args.rounding,
     )
     result = quantize_model(opts)
     paths = write_report(result, Path(args.out))
@@ -40,6 +40,9 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mixed-weight", default="int4-g128", help="low-bit format of the layers a mixed plan picks")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype while measuring fidelity")
     p.add_argument("--max-seq-len", type=int, default=256, help="tokens per calibration sequence")
+    p.add_argument("--rounding", choices=ROUNDINGS, default=DEFAULT_ROUNDING,
+                   help="rtn (default): round to nearest; gptq: GPTQ with Hessians from the calibration set "
+                   "(the KL then reported is in-sample)")
     p.add_argument("--no-sensitivity", action="store_true", help="skip the per-layer sensitivity pass (not for mixed)")
     p.add_argument("--no-tool-eval", action="store_true", help="skip the tool-call JSON generation check")
     p.set_defaults(func=cmd_quantize)

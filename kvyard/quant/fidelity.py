@@ -44,22 +44,40 @@ def batch_logits(model: DecoderModel, seqs: list[list[int]], kv_int8: bool = Fal
     holds just these tokens. With `kv_int8` the cache is int8 and attention reads every key back from
     it, as decode steps do, so the figures include the KV cache's own rounding.
     """
-    n, cfg, dev = sum(map(len, seqs)), model.cfg, model.device
-    caches = [LayerKV.allocate(n, cfg.num_kv_heads, cfg.head_dim, model.dtype, dev, kv_int8)
-              for _ in range(cfg.num_layers)]
-    rows = torch.arange(n, device=dev)
-    starts = [0]
-    for s in seqs:
-        starts.append(starts[-1] + len(s))
-    spans = [
-        PrefillSpan(a, b, rows[a:b], causal_context_mask(b - a, b - a, dev)) if kv_int8 else PrefillSpan(a, b, None, None)
-        for a, b in zip(starts, starts[1:], strict=False)
-    ]
-    positions = torch.cat([torch.arange(len(s), device=dev) for s in seqs])
-    meta = AttentionMetadata(slot_mapping=rows, block_size=1, prefills=spans)
-    ids = torch.tensor([t for s in seqs for t in s], device=dev)
-    logits = model.forward(ids, positions, meta, caches, rows)
+    p = PrefillBatch.build(model, seqs, kv_int8)
+    logits = model.forward(p.ids, p.positions, p.meta, p.caches, p.meta.slot_mapping)
     return list(logits.split([len(s) for s in seqs]))
+
+
+@dataclass
+class PrefillBatch:
+    """Several sequences as one flat prefill: token ids, positions, spans and a scratch KV cache per layer."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    caches: list[LayerKV]
+
+    @classmethod
+    def build(cls, model: DecoderModel, seqs: list[list[int]], kv_int8: bool = False,
+              layers: int | None = None) -> "PrefillBatch":
+        """`layers` caches (default: one per model layer; one suffices to run the layers one at a time)."""
+        n, cfg, dev = sum(map(len, seqs)), model.cfg, model.device
+        caches = [LayerKV.allocate(n, cfg.num_kv_heads, cfg.head_dim, model.dtype, dev, kv_int8)
+                  for _ in range(cfg.num_layers if layers is None else layers)]
+        rows = torch.arange(n, device=dev)
+        starts = [0]
+        for s in seqs:
+            starts.append(starts[-1] + len(s))
+        spans = [
+            PrefillSpan(a, b, rows[a:b], causal_context_mask(b - a, b - a, dev)) if kv_int8
+            else PrefillSpan(a, b, None, None)
+            for a, b in zip(starts, starts[1:], strict=False)
+        ]
+        positions = torch.cat([torch.arange(len(s), device=dev) for s in seqs])
+        meta = AttentionMetadata(slot_mapping=rows, block_size=1, prefills=spans)
+        ids = torch.tensor([t for s in seqs for t in s], device=dev)
+        return cls(ids, positions, meta, caches)
 
 
 def kl_per_token(ref_logprobs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

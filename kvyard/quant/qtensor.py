@@ -54,6 +54,11 @@ class QuantizedTensor:
             q = q - self._per_column(self.zero_point.float())
         return q * self._per_column(self.scale)
 
+    def rows(self, start: int, stop: int) -> "QuantizedTensor":
+        """Output rows start..stop-1 (one member of a fused weight)."""
+        zp = None if self.zero_point is None else self.zero_point[start:stop].contiguous()
+        return QuantizedTensor(self.scheme, self.q[start:stop].contiguous(), self.scale[start:stop].contiguous(), zp)
+
     @staticmethod
     def cat(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
         """Stack along output rows (fusing q|k|v or gate|up); rows are quantized independently."""

@@ -12,6 +12,7 @@ def report_dict(r: QuantizeResult) -> dict[str, Any]:
     out: dict[str, Any] = {
         "scheme": r.request.scheme,
         "weight_format": r.request.weight.name,
+        "rounding": r.rounding,
         "fidelity": r.fidelity.as_dict(),
         "quantized_units": len(r.chosen),
         "candidate_units": len(r.units),
@@ -39,6 +40,8 @@ def report_markdown(r: QuantizeResult) -> str:
         f"| top-1 agreement | {f.top1_agreement:.4f} |",
         f"| perplexity full → quant | {f.ppl_full:.3f} → {f.ppl_quant:.3f} ({f.ppl_change:+.2%}) |",
         f"| calibration tokens | {f.tokens} |",
+        f"| rounding | {r.rounding}" + (" (its Hessians come from these same tokens: the KL above is in-sample)"
+                                        if r.rounding == "gptq" else "") + " |",
         f"| layers quantized | {len(r.chosen)} of {len(r.units)} candidates |",
         f"| parameters quantized | {r.quantized_params:,} of {sum(u.params for u in r.units):,} |",
     ]

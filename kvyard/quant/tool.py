@@ -23,6 +23,7 @@ from kvyard.quant.calib import (
     valid_tool_call,
 )
 from kvyard.quant.fidelity import Fidelity, FidelityMeter
+from kvyard.quant.gptq import gptq_quantize
 from kvyard.quant.plan import (
     DEFAULT_PROTECT,
     Plan,
@@ -33,8 +34,15 @@ from kvyard.quant.plan import (
     plan_to_config,
 )
 from kvyard.quant.qtensor import QuantizedTensor
-from kvyard.quant.scheme import QuantRequest, parse_quant_request
+from kvyard.quant.scheme import (
+    DEFAULT_ROUNDING,
+    QuantRequest,
+    WeightScheme,
+    check_rounding,
+    parse_quant_request,
+)
 from kvyard.quant.search import PlanSearch, SearchResult, UnitSwitch, naive_order, searched_plan
+from kvyard.quant.sequential import sequential_gptq
 
 
 @dataclass
@@ -51,6 +59,7 @@ class QuantizeOptions:
     sensitivity: bool = True  # per-layer sensitivity (always on for `mixed`)
     tool_eval: bool = True  # generate tool calls with both models and count valid JSON
     progress: bool = True
+    rounding: str = DEFAULT_ROUNDING  # rtn, or gptq with Hessians from the calibration set
 
 
 @dataclass
@@ -66,6 +75,7 @@ class QuantizeResult:
     tool_json: dict[str, float] = field(default_factory=dict)
     out: Path | None = None
     dtype: str = "bfloat16"
+    rounding: str = "rtn"
 
     @property
     def quantized_params(self) -> int:
@@ -75,6 +85,7 @@ class QuantizeResult:
 
 def check_options(opts: QuantizeOptions) -> QuantRequest:
     req = parse_quant_request(opts.scheme, opts.mixed_weight)
+    check_rounding(opts.rounding)
     if req.mixed and opts.kl_budget is None:
         raise ConfigError("--scheme mixed needs --kl-budget (the largest mean KL the plan may reach)", param="kl_budget")
     if opts.kl_budget is not None and not opts.kl_budget > 0:
@@ -109,6 +120,23 @@ def load_reference(opts: QuantizeOptions) -> Reference:
     return Reference(ckpt, tensors, calib, model, FidelityMeter(model, calib.sequences))
 
 
+def quantize_members(ref: Reference, units: list[Unit], scheme: WeightScheme, rounding: str,
+                     sequences: list[list[int]] | None = None) -> dict[str, QuantizedTensor]:
+    """Every HF linear of `units`, quantized once. GPTQ runs layer by layer over `sequences` (default: the
+    calibration set), and each fused member gets its unit's Hessian."""
+    if rounding == "rtn":
+        return {m: QuantizedTensor.quantize(_source_weight(ref.tensors, m), scheme) for u in units for m in u.members}
+
+    def quantize_unit(u: Unit, hessian: torch.Tensor) -> dict[str, QuantizedTensor]:
+        # GPTQ treats rows independently, so fused members are quantized as one matrix (one factorization).
+        parts = [_source_weight(ref.tensors, m) for m in u.members]
+        fused = gptq_quantize(torch.cat(parts), hessian, scheme)
+        bounds = torch.tensor([0] + [p.shape[0] for p in parts]).cumsum(0).tolist()
+        return {m: fused.rows(a, b) for m, a, b in zip(u.members, bounds, bounds[1:], strict=False)}
+
+    return sequential_gptq(ref.model, units, ref.calib.sequences if sequences is None else sequences, quantize_unit)
+
+
 def kv_cache_fidelity(opts: QuantizeOptions) -> Fidelity:
     """The int8 KV cache alone (dense weights), measured like a weight scheme."""
     ref = load_reference(opts)
@@ -122,10 +150,11 @@ def quantize_model(opts: QuantizeOptions) -> QuantizeResult:
     ckpt, tensors, calib, model, meter = ref.ckpt, ref.tensors, ref.calib, ref.model, ref.meter
     units = [u for u in linear_units(ckpt.config) if not is_protected(u, opts.protect)]
     # Each HF linear is quantized once: the search runs the fused units, the checkpoint stores the members.
-    members = {m: QuantizedTensor.quantize(_source_weight(tensors, m), req.weight) for u in units for m in u.members}
+    members = quantize_members(ref, units, req.weight, opts.rounding)
     quantized = {u.name: QuantizedTensor.cat([members[m] for m in u.members]) for u in units}
     search = PlanSearch(UnitSwitch(model, quantized, units), meter, opts.kl_budget or float("inf"), opts.progress)
-    result = QuantizeResult(req, {}, units, [], fidelity=None, dtype=opts.dtype)  # type: ignore[arg-type]
+    result = QuantizeResult(req, {}, units, [], fidelity=None,  # type: ignore[arg-type]
+                            dtype=opts.dtype, rounding=opts.rounding)
     if opts.sensitivity or req.mixed:
         result.sensitivity = search.sensitivities()
     if req.mixed:
@@ -173,6 +202,7 @@ def plan_record(result: QuantizeResult) -> dict[str, Any]:
     return {
         "scheme": result.request.scheme,
         "weight_format": result.request.weight.name,
+        "rounding": result.rounding,
         "units": [
             {"unit": u.name, "params": u.params, "quantized": u.name in chosen,
              "sensitivity_kl": result.sensitivity[u.name].kl_mean if u.name in result.sensitivity else None}

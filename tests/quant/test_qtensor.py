@@ -65,3 +65,12 @@ def test_cat_refuses_mixed_schemes():
     b = QuantizedTensor.quantize(torch.randn(64, 96), parse_weight_scheme("int4-g32"))
     with pytest.raises(CheckpointError, match="one quantization scheme"):
         QuantizedTensor.cat([a, b])
+
+
+def test_rows_undo_cat():
+    scheme = parse_weight_scheme("int4-g32-asym")
+    a, b = QuantizedTensor.quantize(torch.randn(8, 64), scheme), QuantizedTensor.quantize(torch.randn(5, 64), scheme)
+    fused = QuantizedTensor.cat([a, b])
+    for part, got in ((a, fused.rows(0, 8)), (b, fused.rows(8, 13))):
+        assert torch.equal(got.q, part.q) and torch.equal(got.scale, part.scale)
+        assert torch.equal(got.zero_point, part.zero_point)

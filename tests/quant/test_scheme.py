@@ -1,7 +1,7 @@
 import pytest
 
 from kvyard.errors import ConfigError
-from kvyard.quant.scheme import WeightScheme, parse_quant_request, parse_weight_scheme
+from kvyard.quant.scheme import WeightScheme, check_rounding, parse_quant_request, parse_weight_scheme
 
 
 @pytest.mark.parametrize(
@@ -34,3 +34,9 @@ def test_mixed_request_uses_the_mixed_weight_format():
 def test_int_ranges():
     assert (WeightScheme(8).qmin, WeightScheme(8).qmax) == (-127, 127)
     assert (WeightScheme(4, 32).qmin, WeightScheme(4, 32).qmax) == (-8, 7)
+
+
+def test_check_rounding():
+    assert check_rounding("gptq") == "gptq" and check_rounding("rtn") == "rtn"
+    with pytest.raises(ConfigError, match="rounding"):
+        check_rounding("awq")

@@ -119,3 +119,17 @@ def test_valid_tool_call_parsing():
     assert valid_tool_call('sure: {"name": "f", "arguments": {"x": 1}} done')
     assert not valid_tool_call('{"name": "f", "arguments": {"x": 1}')
     assert not valid_tool_call('{"arguments": {}}')
+
+
+def test_gptq_rounding_saves_and_reloads(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("llama")
+    out = tmp_path / "gptq"
+    r = quantize_model(_opts(src, out, scheme="int4-g32", rounding="gptq", sensitivity=False, tool_eval=False))
+    assert r.rounding == "gptq" and json.loads((out / "quant_plan.json").read_text())["rounding"] == "gptq"
+    # The checkpoint format is round to nearest's: a fresh load measures the same KL.
+    assert _measure_loaded(src, out) == pytest.approx(r.fidelity.kl_mean, rel=1e-4, abs=1e-9)
+
+
+def test_unknown_rounding_is_a_config_error(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="rounding"):
+        quantize_model(_opts(tiny_checkpoint("llama"), None, scheme="int8", rounding="awq"))
