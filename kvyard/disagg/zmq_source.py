@@ -239,11 +239,19 @@ class KVSource:
     def _send_layers(self, peer: bytes, held: _Held, index: torch.Tensor, views: list[list[torch.Tensor]],
                      shm_name: str = "", checksums: bool = True) -> None:
         """Header, then layer by layer: zmq's I/O thread sends layer i (or the fetcher copies it out of the
-        segment) while this thread gathers layer i + 1. In a segment, the frames stay there."""
+        segment) while this thread gathers layer i + 1. In a segment, the frames stay there. A segment read
+        in place (no checksums) has nothing to overlap on the fetcher's side, so its layers are announced
+        together at the end: one wake-up of the fetcher instead of one per layer."""
         self._send(peer, self._header(held, "shm" if shm_name else "layers", [], shm_name), [])
+        batched = bool(shm_name) and not checksums
+        announce = []
         for i, out in enumerate(views):
             frames, sums = self._layer_frames(i, index, out, checksums)  # a tamper hook writes into the segment
-            self._send(peer, wire.LayerHeader(i, sums), [] if shm_name else frames)
+            announce.append(wire.LayerHeader(i, sums))
+            if not batched:
+                self._send(peer, announce.pop(), [] if shm_name else frames)
+        for meta in announce:
+            self._send(peer, meta, [])
 
     def _send_shm(self, peer: bytes, held: _Held, index: torch.Tensor, lease_s: float, checksums: bool) -> bool:
         """Serve through a shared-memory segment; False (nothing sent) when there is none to be had."""
