@@ -10,7 +10,9 @@ them (`--threads split` halves them instead). Two workloads run on each:
   `--long-count` long prompts arrive every `--long-interval` seconds. Reported: the streams' inter-token
   latency p50/p99 (what a long prefill does to everyone else's stream) and the long prompts' TTFT.
 * short only: `--short-requests` short prompts at `--short-concurrency`; conditional disaggregation keeps
-  them all local, and must not be slower than colocated (output tokens/s and TTFT).
+  them all local, and must not be slower than colocated (output tokens/s and TTFT). Both deployments stay
+  up for the whole run and the `--short-rounds` rounds alternate between them (medians, and each round's
+  ratio): a difference that small is otherwise lost in the machine's drift between two runs.
 
 Also: KV transfer throughput (bytes the decode worker pulled / time its pulls took, from its metrics)
 against the loopback TCP bandwidth measured in the same run, idle before the deployments start and again
@@ -55,6 +57,8 @@ def add_disagg_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--long-interval", type=float, default=8.0, help="seconds between long prompts")
     p.add_argument("--short-requests", type=int, default=16, help="short-only workload: requests")
     p.add_argument("--short-concurrency", type=int, default=4)
+    p.add_argument("--short-rounds", type=int, default=3,
+                   help="short-only rounds per deployment, alternating between them (medians)")
     p.add_argument("--router-port", type=int, default=8300)
     p.add_argument("--serve-args", default=None, help="more `kvyard serve` flags for every worker")
     p.add_argument("--route-args", default=None, help="more `kvyard route` flags")
@@ -144,34 +148,74 @@ async def short_only(url: str, args: argparse.Namespace, texts: TextSource) -> d
     }
 
 
-def run_deployment(name: str, roles: list[str], threads: int, args: argparse.Namespace,
-                   out_dir: Path) -> dict[str, Any]:
-    log_dir = out_dir / name
-    log_dir.mkdir(parents=True, exist_ok=True)
-    spec = ClusterSpec(replicas=len(roles), roles=roles, model=args.model, worker_port=args.router_port + 1,
-                       num_threads=threads, serve_args=split_args(args.serve_args), log_dir=log_dir)
-    cluster = Cluster(spec)
-    texts = TextSource(random.Random(args.seed), load_tokenizer(args.model))
-    try:
-        workers = cluster.start_workers()
-        cluster.wait_ready(workers, args.startup_timeout)
-        router = cluster.start_router(args.router_port, "kv", split_args(args.route_args))
-        cluster.wait_ready([router], args.startup_timeout)
-        _wait_all_healthy(router, len(roles), args.startup_timeout)
-        before = {w: scrape(w) for w in workers}, scrape(router)
-        result = {"deployment": name, "roles": roles, "threads_per_worker": threads,
-                  "mixed": asyncio.run(mixed(router, args, texts)),
-                  "short_only": asyncio.run(short_only(router, args, texts))}
-        after = {w: scrape(w) for w in workers}, scrape(router)
-    finally:
-        cluster.stop()
-    pulled = sum(delta(after[0][w], before[0][w], "kvyard_kv_pulled_bytes_total") for w in workers)
-    seconds = sum(delta(after[0][w], before[0][w], "kvyard_kv_pull_seconds_sum") for w in workers)
-    result["kv_pulled_bytes"] = pulled
-    result["kv_transfer_gbps"] = pulled / seconds / 1e9 if seconds else None
-    result["disagg_decisions"] = {d: delta(after[1], before[1], "kvyard_router_disagg_decisions_total", decision=d)
-                                  for d in ("remote", "short", "saturated", "prefill_failed")}
-    return result
+class Deployment:
+    """One `kvyard up` (workers and router) kept up for the whole run, with its counters since start."""
+
+    def __init__(self, name: str, roles: list[str], threads: int, port: int, args: argparse.Namespace,
+                 out_dir: Path):
+        log_dir = out_dir / name
+        log_dir.mkdir(parents=True, exist_ok=True)
+        spec = ClusterSpec(replicas=len(roles), roles=roles, model=args.model, worker_port=port + 1,
+                           num_threads=threads, serve_args=split_args(args.serve_args), log_dir=log_dir)
+        self.name, self.roles, self.threads, self.port, self.args = name, roles, threads, port, args
+        self.cluster = Cluster(spec)
+        # The same seed on both deployments: they see the same prompts in the same order.
+        self.texts = TextSource(random.Random(args.seed), load_tokenizer(args.model))
+        self.workers: list[str] = []
+        self.router = ""
+
+    def __enter__(self) -> "Deployment":
+        try:
+            self.workers = self.cluster.start_workers()
+            self.cluster.wait_ready(self.workers, self.args.startup_timeout)
+            self.router = self.cluster.start_router(self.port, "kv", split_args(self.args.route_args))
+            self.cluster.wait_ready([self.router], self.args.startup_timeout)
+            _wait_all_healthy(self.router, len(self.roles), self.args.startup_timeout)
+        except BaseException:
+            self.cluster.stop()
+            raise
+        self._before = self._scrape()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cluster.stop()
+
+    def _scrape(self) -> tuple[dict[str, Any], Any]:
+        return {w: scrape(w) for w in self.workers}, scrape(self.router)
+
+    def counters(self) -> dict[str, Any]:
+        (workers, router), (w0, r0) = self._scrape(), self._before
+        pulled = sum(delta(workers[w], w0[w], "kvyard_kv_pulled_bytes_total") for w in self.workers)
+        seconds = sum(delta(workers[w], w0[w], "kvyard_kv_pull_seconds_sum") for w in self.workers)
+        return {"kv_pulled_bytes": pulled, "kv_transfer_gbps": pulled / seconds / 1e9 if seconds else None,
+                "disagg_decisions": {d: delta(router, r0, "kvyard_router_disagg_decisions_total", decision=d)
+                                     for d in ("remote", "short", "saturated", "prefill_failed")}}
+
+
+def summarize_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Short-only rounds of one deployment: medians, and every round."""
+    return {"failed": sum(r["failed"] for r in rounds),
+            "output_throughput": statistics.median(r["output_throughput"] for r in rounds),
+            "ttft_ms": {"p50": statistics.median(r["ttft_ms"]["p50"] for r in rounds)},
+            "rounds": rounds}
+
+
+def run_deployments(args: argparse.Namespace, out_dir: Path, total: int, per_worker: int) -> list[dict[str, Any]]:
+    """Both deployments up at once (the idle one waits on its queues): the mixed workload on each in turn,
+    then short-only rounds alternating between them, so that a noisy neighbour hits both alike."""
+    with (Deployment("colocated", ["both"], total, args.router_port, args, out_dir) as co,
+          Deployment("disaggregated", ["prefill", "decode"], per_worker, args.router_port + 10, args, out_dir) as dis):
+        deps = (co, dis)
+        results = [{"deployment": d.name, "roles": d.roles, "threads_per_worker": d.threads,
+                    "mixed": asyncio.run(mixed(d.router, args, d.texts))} for d in deps]
+        rounds: list[list[dict[str, Any]]] = [[], []]
+        for _ in range(args.short_rounds):
+            for i, d in enumerate(deps):
+                rounds[i].append(asyncio.run(short_only(d.router, args, d.texts)))
+        for result, d, rs in zip(results, deps, rounds, strict=True):
+            result["short_only"] = summarize_rounds(rs)
+            result.update(d.counters())
+    return results
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -184,6 +228,10 @@ def compare(colocated: dict[str, Any], disagg: dict[str, Any], loopback_gbps: fl
     def pct(run: dict[str, Any], key: str, p: str) -> float | None:
         return (run[key] or {}).get(p)
 
+    per_round = [_ratio(b["output_throughput"], a["output_throughput"])
+                 for a, b in zip(colocated["short_only"].get("rounds", []), disagg["short_only"].get("rounds", []),
+                                 strict=True)]
+
     return {
         "itl_p50_colocated_over_disagg": _ratio(pct(c, "itl_ms", "p50"), pct(d, "itl_ms", "p50")),
         "itl_p99_colocated_over_disagg": _ratio(pct(c, "itl_ms", "p99"), pct(d, "itl_ms", "p99")),
@@ -192,6 +240,9 @@ def compare(colocated: dict[str, Any], disagg: dict[str, Any], loopback_gbps: fl
                                                               colocated["short_only"]["output_throughput"]),
         "short_only_ttft_p50_disagg_over_colocated": _ratio(pct(disagg["short_only"], "ttft_ms", "p50"),
                                                             pct(colocated["short_only"], "ttft_ms", "p50")),
+        "short_only_throughput_per_round": per_round,
+        # Rounds alternate, so round i of each ran under the same conditions: the paired estimate.
+        "short_only_throughput_paired_median": statistics.median(per_round) if per_round else None,
         "loopback_tcp_gbps": loopback_gbps,
         "transfer_over_loopback": _ratio(disagg["kv_transfer_gbps"], loopback_gbps),
         "loopback_tcp_gbps_under_load": d["loopback_tcp_gbps_under_load"],
@@ -207,8 +258,7 @@ def run_disagg_bench(args: argparse.Namespace) -> int:
     total = args.total_threads or os.cpu_count() or 1
     per_worker = total if args.threads == "shared" else max(1, total // 2)
     loopback = loopback_tcp_gbps(256 << 20)
-    colocated = run_deployment("colocated", ["both"], total, args, out_dir)
-    disagg = run_deployment("disaggregated", ["prefill", "decode"], per_worker, args, out_dir)
+    colocated, disagg = run_deployments(args, out_dir, total, per_worker)
     report = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "total_threads": total,
               "colocated": colocated, "disaggregated": disagg, "ratios": compare(colocated, disagg, loopback)}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
