@@ -166,8 +166,9 @@ class DecoderModel:
             x.add_(self._attention(rms_norm(x, layer.input_norm, eps), layer, cache, meta, cos, sin))
             x.add_(self._mlp(rms_norm(x, layer.post_norm, eps), layer))
         last = rms_norm(x[logits_indices], self.final_norm, eps)
-        # One row: the unpacked head through GEMV. oneDNN's packed layout, right for the layers, streams the
-        # 49k-row head at half GEMV's rate at one row (3.8 against 1.9 ms for SmolLM2's 57 MB, 2 threads).
+        # One row: the unpacked head through GEMV. For SmolLM2's 57 MB head (2 threads) GEMV took 1.9 ms
+        # against 3.8 ms for oneDNN's packed layout when both alternated over two copies of the head, and
+        # about the same (4.6-5.2 ms) with the caches flushed before each call; never slower.
         head = self.lm_head if last.shape[0] == 1 else self._head()
         return linear(last, head).float()
 
