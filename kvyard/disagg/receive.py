@@ -39,13 +39,13 @@ class LayerCopier:
             if data:
                 raise KVIntegrityError(f"transfer {self.transfer_id}: {len(data)} stray data frames with layer "
                                        f"{i} of a shared-memory transfer")
-            return [self._copy(k, self.segment[self.offsets[k] : self.offsets[k] + self.sizes[k]]) for k in ks]
+            return [self._frame(k, self.segment[self.offsets[k] : self.offsets[k] + self.sizes[k]]) for k in ks]
         bufs = [memoryview(f) for f in data]
         if [b.nbytes for b in bufs] != [self.sizes[k] for k in ks]:
             return [frame_tensor(b) for b in bufs]  # not what was announced: left for the checks to name
-        return [self._copy(k, np.frombuffer(b, dtype=np.uint8)) for k, b in zip(ks, bufs, strict=True)]
+        return [self._frame(k, np.frombuffer(b, dtype=np.uint8)) for k, b in zip(ks, bufs, strict=True)]
 
-    def _copy(self, k: int, src: np.ndarray) -> torch.Tensor:
+    def _frame(self, k: int, src: np.ndarray) -> torch.Tensor:
         if self.dst is None:
             with warnings.catch_warnings():  # torch warns that a read-only array makes a read-only tensor
                 warnings.simplefilter("ignore", UserWarning)

@@ -4,8 +4,9 @@ The source owns each segment (`shm_pool.SegmentPool` reuses them across transfer
 straight into one (the gather is the only copy on that side) and gets it back when the transfer is
 released, by ack, timeout or close. If the source process dies, multiprocessing's resource tracker
 unlinks what it left. The fetcher maps the file under /dev/shm shared and read-only instead of attaching
-a SharedMemory, so it holds no tracker registration that could unlink what the source owns, and copies
-the frames out before it acks: after the ack the source may rewrite the segment for another transfer.
+a SharedMemory, so it holds no tracker registration that could unlink what the source owns, and is done
+reading it (copied out, or used in place by the decode engine) before it acks: after the ack the source
+may rewrite the segment for another transfer.
 """
 
 import mmap
@@ -52,7 +53,8 @@ def read(name: str, size: int) -> np.ndarray | None:
     shorter array.
 
     MAP_POPULATE maps every page in the one mmap call instead of one fault per 4 KiB page on first read.
-    The caller must copy what it keeps before it acks (the source reuses the segment after that) and
+    The caller must be done reading (a copy, or the engine's scatter) before it acks (the source reuses
+    the segment after that) and
     should drop the array then; the mapping goes with the last view of it.
     """
     if "/" in name:

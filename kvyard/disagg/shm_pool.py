@@ -3,8 +3,8 @@
 A fresh segment costs more than the transfer itself: every page of it is allocated, zeroed and faulted in
 on first write (136 ms for 46 MB on the shared 2-core VM, against 5 ms to rewrite a segment already
 mapped). So the source takes a segment from this pool for each shared-memory reply and gives it back when
-the transfer is released (ack, reject, timeout, close): by then the fetcher has copied everything out
-(it copies before it acks, and the source holds the transfer for the fetcher's lease otherwise), so a
+the transfer is released (ack, reject, timeout, close): by then the decode side has read everything
+(it reads before it acks, and the source holds the transfer for the fetcher's lease otherwise), so a
 segment is never rewritten while someone may still read it.
 
 Segments grow on demand: `acquire` takes the smallest free segment that fits, else creates one rounded up

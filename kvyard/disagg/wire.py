@@ -8,8 +8,9 @@ One fetch, over a DEALER (fetcher) → ROUTER (source) connection, all control m
           or Header(mode="layers"), then per layer [LayerHeader(index, sums), frame, ...]
           or Header(mode="shm", shm_name), then per layer LayerHeader(index, sums)  frames in a shared-memory
                                                                segment, each layer announced once written
-    fetcher: Release(transfer_id, ok, reason)                  after validating (or rejecting) the payload
-    source:  Released(found)
+    fetcher: Release(transfer_id, ok, reason, confirm)         after validating (or rejecting) the payload,
+                                                               or, read in place, after using it
+    source:  Released(found)                                   unless confirm is False
 
 A frame is one tensor's raw bytes (per layer k, v[, k_scale, v_scale]); its size follows from the layout
 and the block count, and its checksum travels in the header (or its layer's header), so the fetcher checks
@@ -49,6 +50,7 @@ class Release(msgspec.Struct, tag="release"):
     transfer_id: str
     ok: bool = True  # False: the fetcher rejected the payload; `reason` says why
     reason: str = ""
+    confirm: bool = True  # False: the fetcher has closed its socket, send no Released back
 
 
 class Header(msgspec.Struct, tag="header"):

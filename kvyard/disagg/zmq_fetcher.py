@@ -199,10 +199,10 @@ class KVFetcher:
 
 
 def _release_later(conn: _Connection, transfer_id: str, problem: str | None) -> None:
-    """Ack an in-place payload once its reader is done. Sends without waiting for the confirmation, so the
+    """Ack an in-place payload once its reader is done. Asks for no confirmation and does not wait, so the
     engine thread may call it; ZeroMQ delivers the message after the socket is closed."""
     try:
-        conn.send(wire.Release(transfer_id, ok=problem is None, reason=problem or ""))
+        conn.send(wire.Release(transfer_id, ok=problem is None, reason=problem or "", confirm=False))
     except KVTransferError as e:  # the source releases it when the lease runs out
         log.warning("kv transfer %s: release not sent: %s", transfer_id, e)
     finally:

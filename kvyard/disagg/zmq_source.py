@@ -3,8 +3,8 @@
 The source owns the timing of every offered transfer: blocks stay held until the fetcher acknowledges
 (`Release`) or the offer's timeout passes, and then `on_release` runs exactly once, on the source thread.
 Reads happen on that same thread, so a timeout can never fire in the middle of one; a shared-memory reply
-also holds the transfer for the fetcher's lease (its remaining timeout) while the fetcher copies the
-segment out. Only then does the segment go back to the pool (`shm_pool`) for another transfer. TCP
+also holds the transfer for the fetcher's lease (its remaining timeout) while the fetcher (or, read in
+place, the decode engine) copies the segment out. Only then does the segment go back to the pool (`shm_pool`) for another transfer. TCP
 replies are gathered into warm staging memory (`warm_buffers`) and go out zero-copy from there (zmq keeps
 them referenced until sent, which keeps the buffer from reuse); in "layers" and shared-memory replies the
 fetcher receives layer i while this thread gathers layer i + 1. The protocol is in `wire.py`.
@@ -122,6 +122,11 @@ class KVSource:
             self._held[transfer_id] = held
             self.stats.offered += 1
 
+    def warm_shm(self, num_blocks: int) -> bool:
+        """Fault in a shared-memory segment for a reply of `num_blocks` now, so that no transfer pays for it
+        (136 ms for 46 MB here, more than the transfer); False when /dev/shm or the pool cannot keep it."""
+        return self.allow_shm and self.segment_pool.warm(self._reply_nbytes(num_blocks))
+
     @property
     def num_held(self) -> int:
         return len(self._held)
@@ -210,11 +215,15 @@ class KVSource:
         return wire.Header(held.transfer_id, mode, self.layout, held.block_hashes, held.token_ids, nbytes, sums,
                            shm_name)
 
+    def _reply_nbytes(self, num_blocks: int) -> int:
+        """Bytes of a reply laid out in one buffer or segment (wire.frame_offsets)."""
+        return wire.frame_offsets(self.layout.wire_nbytes(num_blocks))[1]
+
     def _staging(self, num_blocks: int) -> list[list[torch.Tensor]]:
         """Per layer, where a TCP reply is gathered: warm memory, reused once ZeroMQ has sent every frame of
         it (a frame queued zero-copy keeps its buffer referenced, see warm_buffers)."""
-        size = wire.frame_offsets(self.layout.wire_nbytes(num_blocks))[1]
-        return wire.frame_views(torch.from_numpy(self.buffers.take(size)), self.layout, num_blocks)
+        return wire.frame_views(torch.from_numpy(self.buffers.take(self._reply_nbytes(num_blocks))), self.layout,
+                                num_blocks)
 
     def _layer_frames(self, i: int, index: torch.Tensor, out: list[torch.Tensor],
                       checksums: bool = True) -> tuple[list[memoryview], list[int]]:
@@ -238,24 +247,23 @@ class KVSource:
 
     def _send_layers(self, peer: bytes, held: _Held, index: torch.Tensor, views: list[list[torch.Tensor]],
                      shm_name: str = "", checksums: bool = True) -> None:
-        """Header, then layer by layer: zmq's I/O thread sends layer i (or the fetcher copies it out of the
-        segment) while this thread gathers layer i + 1. In a segment, the frames stay there. A segment read
+        """Header, then layer by layer: zmq's I/O thread sends layer i (or the fetcher reads it in the segment)
+        while this thread gathers layer i + 1. In a segment, the frames stay there. A segment read
         in place (no checksums) has nothing to overlap on the fetcher's side, so its layers are announced
         together at the end: one wake-up of the fetcher instead of one per layer."""
         self._send(peer, self._header(held, "shm" if shm_name else "layers", [], shm_name), [])
         batched = bool(shm_name) and not checksums
-        announce = []
         for i, out in enumerate(views):
             frames, sums = self._layer_frames(i, index, out, checksums)  # a tamper hook writes into the segment
-            announce.append(wire.LayerHeader(i, sums))
             if not batched:
-                self._send(peer, announce.pop(), [] if shm_name else frames)
-        for meta in announce:
-            self._send(peer, meta, [])
+                self._send(peer, wire.LayerHeader(i, sums), [] if shm_name else frames)
+        if batched:
+            for i in range(len(views)):
+                self._send(peer, wire.LayerHeader(i, []), [])
 
     def _send_shm(self, peer: bytes, held: _Held, index: torch.Tensor, lease_s: float, checksums: bool) -> bool:
         """Serve through a shared-memory segment; False (nothing sent) when there is none to be had."""
-        size = wire.frame_offsets(self.layout.wire_nbytes(len(held.block_ids)))[1]
+        size = self._reply_nbytes(len(held.block_ids))
         try:
             if held.segment is None:  # a second fetch of the same transfer rewrites the same bytes
                 held.segment = self.segment_pool.acquire(size)
@@ -277,7 +285,8 @@ class KVSource:
             if not req.ok:
                 log.warning("kv transfer %s rejected by the fetcher: %s", req.transfer_id, req.reason)
             self._finish(held, "ack" if req.ok else "reject")
-        self._reply(peer, wire.Released(found=held is not None))  # after on_release: fetch() returns after it
+        if req.confirm:
+            self._reply(peer, wire.Released(found=held is not None))  # after on_release: fetch() returns after it
 
     def _expire(self, now: float) -> None:
         with self._lock:
@@ -292,7 +301,7 @@ class KVSource:
             self._recent[held.transfer_id] = how
             while len(self._recent) > RECENT:
                 self._recent.popitem(last=False)
-        if held.segment is not None:  # the fetcher copied it out before acking, or its lease is over
+        if held.segment is not None:  # read before the ack (copied out or used in place), or the lease is over
             self.segment_pool.release(held.segment)
             held.segment = None
         field = "released_on_close" if how == "close" else f"released_by_{how}"

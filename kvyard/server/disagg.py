@@ -56,7 +56,6 @@ class PrefillService:
     """The prefill side: computes a prompt's KV, holds it and offers it to decode workers."""
 
     def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: DisaggMetrics):
-        from kvyard.disagg import wire
         from kvyard.disagg.zmq_transport import KVSource
 
         self.engine = engine
@@ -66,10 +65,7 @@ class PrefillService:
         host = settings.host if settings.host not in ("0.0.0.0", "::") else socket.gethostname()
         self.source = KVSource(engine.kv_caches, engine.block_size, bind=f"tcp://{settings.host}:{port}",
                                advertise_host=host, mode=settings.kv_transfer_mode)
-        # A fresh segment's first write costs more than the transfer (136 ms for 46 MB here): pay it now,
-        # for the longest prompt this worker can take, if /dev/shm and the pool can hold that.
-        longest = -(-engine.max_model_len // engine.block_size)
-        warm = self.source.segment_pool.warm(wire.frame_offsets(self.source.layout.wire_nbytes(longest))[1])
+        warm = self.source.warm_shm(-(-engine.max_model_len // engine.block_size))  # the longest prompt
         log.info("kv source at %s; shared-memory segment %s", self.source.endpoint,
                  "warmed" if warm else "not warmed (too large for the pool or /dev/shm)")
 

@@ -240,9 +240,21 @@ def test_in_place_over_tcp_is_an_ordinary_copy(caches, layout):
 
 def test_a_warmed_segment_serves_the_first_transfer(caches, layout, shm_fetcher):
     with KVSource(caches, BLOCK) as source:
-        size = wire.frame_offsets(layout.wire_nbytes(NUM_BLOCKS))[1]
-        assert source.segment_pool.warm(size) and source.segment_pool.created == 1
+        assert source.warm_shm(NUM_BLOCKS) and source.segment_pool.created == 1
         offer = Offer("a", [9, 3, 14]).offer_to(source)
         assert_same_kv(caches, offer.block_ids, shm_fetcher.fetch(source.endpoint, "a", layout, offer.hashes, 5))
         assert source.segment_pool.created == 1  # the warmed one, reused
         assert not source.segment_pool.warm(source.segment_pool.max_idle_bytes + 1)  # the pool would not keep it
+
+
+@pytest.mark.parametrize("confirm", [True, False])
+def test_a_release_is_confirmed_only_when_asked(caches, confirm):
+    """An in-place ack comes from a socket that closes right after sending: it asks for no Released."""
+    with KVSource(caches, BLOCK) as source, zmq.Context() as ctx:
+        offer = Offer("a", [1, 2]).offer_to(source)
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(source.endpoint)
+        sock.send(wire.encode(wire.Release("a", confirm=confirm)))
+        assert offer.released.event.wait(5)
+        assert bool(sock.poll(500)) == confirm
+        sock.close(linger=0)
