@@ -23,15 +23,9 @@ QuantizeUnit = Callable[[Unit, torch.Tensor], dict[str, QuantizedTensor]]
 
 
 def _run_layer(model: DecoderModel, layer: LayerWeights, x: torch.Tensor, batch: PrefillBatch) -> torch.Tensor:
-    """The residual stream after `layer`, as DecoderModel.forward computes it (x itself is left unchanged)."""
-    eps = model.cfg.rms_norm_eps
+    """The residual stream after `layer`, computed in place in `x`."""
     cos, sin = model.rope.lookup(batch.positions, model.dtype)
-    x = x + model._attention(rms_norm(x, layer.input_norm, eps), layer, batch.caches[0], batch.meta, cos, sin)
-    return x + model._mlp(rms_norm(x, layer.post_norm, eps), layer)
-
-
-def _record(recorders: dict[str, HessianRecorder]) -> dict[str, torch.Tensor]:
-    return {name: r.hessian() for name, r in recorders.items()}
+    return model.run_layer(x, layer, batch.caches[0], batch.meta, cos, sin)
 
 
 def sequential_gptq(model: DecoderModel, units: list[Unit], sequences: list[list[int]],
@@ -49,8 +43,8 @@ def sequential_gptq(model: DecoderModel, units: list[Unit], sequences: list[list
             for u in mine:
                 setattr(layer, u.attr, recorders[u.name])
             for x, b in zip(xs, batches, strict=True):
-                _run_layer(model, layer, x, b)
-            hessians = _record(recorders)
+                _run_layer(model, layer, x.clone(), b)  # only to record the inputs: x stays as it was
+            hessians = {name: r.hessian() for name, r in recorders.items()}
             for u in mine:
                 with torch.inference_mode(False):
                     members = quantize_unit(u, hessians[u.name])
