@@ -135,7 +135,7 @@ def run_offline_bench(args: argparse.Namespace) -> int:
                      "range_ratio": args.range_ratio, "input_tokens": work.input_tokens,
                      "output_tokens": work.output_tokens, "batch1_requests": args.batch1_requests},
         "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform()},
-        "engine": {"max_num_batched_tokens": cfg.max_num_batched_tokens, "block_size": cfg.block_size},
+        "engine": {"max_num_batched_tokens": llm.engine.scheduler.token_budget, "block_size": cfg.block_size},
         # Prompt tokens kvyard served from its prefix cache in the timed rounds: 0 keeps the peers even.
         "kvyard_prefix_hit_tokens": llm.engine.blocks.hit_tokens - hits_before,
         "median": med,

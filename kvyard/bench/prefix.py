@@ -54,7 +54,7 @@ def run_prefix_bench(args: argparse.Namespace) -> int:
     result = {
         "model": llm.engine.model_path.name, "dtype": str(cfg.dtype).removeprefix("torch."),
         "prompt_len": args.prompt_len, "cached_len": args.cached_len, "block_size": cfg.block_size,
-        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "max_num_batched_tokens": llm.engine.scheduler.token_budget,
         "ttft_cold_ms": cold_ms, "ttft_cached_ms": cached_ms, "speedup": cold_ms / cached_ms, "rounds": rounds,
     }
     emit_json(result, args.json_out)

@@ -20,6 +20,7 @@ from kvyard.engine.request import Request
 from kvyard.engine.sampler import sample
 from kvyard.engine.scheduler import ScheduledBatch, Scheduler
 from kvyard.errors import InvalidRequestError, PromptTooLongError
+from kvyard.kernels import cpu as cpu_kernels
 from kvyard.loader.checkpoint import Checkpoint, load_checkpoint
 from kvyard.loader.registry import resolve_model
 from kvyard.models.decoder import DecoderModel
@@ -61,6 +62,8 @@ class LLMEngine:
         self.tokenizer = ckpt.tokenizer
         self._fast_tokenizer = ckpt.tokenizer.backend_tokenizer
         device = torch.device(cfg.device)
+        if device.type == "cpu":
+            cpu_kernels.available()  # build (first run on a machine) or load them now, not in the first request
         num_blocks = num_blocks_for_budget(ckpt.config, cfg.block_size, cfg.dtype, cfg.kv_cache_memory,
                                            cfg.kv_cache_dtype)
         context = min(ckpt.config.max_position_embeddings, cfg.max_model_len or 1 << 62)

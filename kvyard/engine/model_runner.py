@@ -88,18 +88,14 @@ class ModelRunner:
         )
 
     def _decode_metadata(self, decodes: list[Request], meta: AttentionMetadata) -> None:
-        lens = torch.tensor([r.num_computed_tokens + 1 for r in decodes])
-        nblocks = -(-int(lens.max()) // self.block_size)
+        lens = [r.num_computed_tokens + 1 for r in decodes]
+        nblocks = -(-max(lens) // self.block_size)
         # One tensor from padded lists: a tensor per request costs more than the whole table at 32 rows.
         rows = [r.block_table[:nblocks] for r in decodes]
         table = torch.tensor([t + [0] * (nblocks - len(t)) for t in rows], dtype=torch.long)
-        width = nblocks * self.block_size
         meta.num_decodes = len(decodes)
         meta.decode_blocks = table.to(self.device)
-        # Additive and in the model's dtype: SDPA would otherwise convert a bool mask in every layer.
-        pad = torch.arange(width).unsqueeze(0) >= lens.unsqueeze(1)
-        mask = torch.zeros(len(decodes), 1, 1, width, dtype=self.model.dtype)
-        meta.decode_mask = mask.masked_fill_(pad.view_as(mask), float("-inf")).to(self.device)
+        meta.decode_lens = torch.tensor(lens, dtype=torch.long, device=self.device)
 
     def execute(self, step: StepInput) -> torch.Tensor:
         return self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches, step.logits_indices)

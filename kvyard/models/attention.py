@@ -1,4 +1,4 @@
-"""Attention over a paged KV cache: gather the context's blocks, then one SDPA call per group.
+"""Attention over a paged KV cache: one kernel call (or gather + SDPA) for all decodes, SDPA per chunk.
 
 The KV cache of a layer (LayerKV) holds flat slots `[num_blocks * block_size, kv_heads, head_dim]`; a
 request's block table maps its positions to slots. A step's tokens are laid out decodes first (one
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.kv_layer import LayerKV
 
 
@@ -29,10 +30,20 @@ class AttentionMetadata:
     block_size: int = 16
     num_decodes: int = 0
     decode_blocks: torch.Tensor | None = None  # [decodes, max_blocks] block ids (padding points at block 0)
-    # [decodes, 1, 1, max_blocks * block_size]: additive (0 / -inf, the model's dtype, so SDPA need not
-    # convert it in every layer) or bool (True = attend).
-    decode_mask: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None  # [decodes] int64: context length of each decode row
     prefills: list[PrefillSpan] = field(default_factory=list)
+    _decode_mask: torch.Tensor | None = None
+
+    def decode_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """[decodes, 1, 1, max_blocks * block_size] additive mask (0 / -inf) over the padded blocks; made
+        once per step, in the model's dtype so that SDPA need not convert it in every layer."""
+        if self._decode_mask is None:
+            lens = self.decode_lens
+            width = self.decode_blocks.shape[1] * self.block_size  # type: ignore[union-attr]
+            pad = torch.arange(width, device=lens.device).unsqueeze(0) >= lens.unsqueeze(1)  # type: ignore[union-attr]
+            mask = torch.zeros(pad.shape, dtype=dtype, device=pad.device).masked_fill_(pad, float("-inf"))
+            self._decode_mask = mask.view(pad.shape[0], 1, 1, width)
+        return self._decode_mask
 
 
 def causal_context_mask(chunk: int, context: int, device: torch.device) -> torch.Tensor:
@@ -44,13 +55,12 @@ def causal_context_mask(chunk: int, context: int, device: torch.device) -> torch
 
 def paged_attention(
     q: torch.Tensor,  # [tokens, heads, head_dim]
-    k: torch.Tensor,  # [tokens, kv_heads, head_dim] (new tokens only)
-    v: torch.Tensor,
-    cache: LayerKV,
+    cache: LayerKV,  # already holding this step's K/V at meta.slot_mapping
     meta: AttentionMetadata,
+    k: torch.Tensor,  # [tokens, kv_heads, head_dim], this step's K/V (chunks without context attend to them)
+    v: torch.Tensor,
 ) -> torch.Tensor:
-    """Write the new K/V, attend; returns [tokens, heads, head_dim]."""
-    cache.write(meta.slot_mapping, k, v)
+    """Attention of every token of the step; returns [tokens, heads, head_dim]."""
     nd = meta.num_decodes
     if not meta.prefills:  # a pure decode step: no output buffer to assemble
         return decode_attention(q, cache, meta)
@@ -63,16 +73,24 @@ def paged_attention(
 
 
 def decode_attention(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
-    """One query per row against its whole context, all rows in one SDPA call over padded, masked blocks."""
+    """One query per row against its whole context: on CPU one kernel call that reads K/V in place through
+    the block tables; otherwise one SDPA call over the gathered, padded and masked blocks."""
     nd, heads, head_dim = q.shape
+    if q.device.type == "cpu" and cpu_kernels.available():
+        return torch.ops.kvyard.paged_decode_attention(
+            q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.decode_blocks, meta.decode_lens,
+            meta.block_size, head_dim**-0.5)
     blocks = meta.decode_blocks
     width = blocks.shape[1] * meta.block_size  # type: ignore[union-attr]
     k, v = cache.read_blocks(blocks.view(-1), meta.block_size, q.dtype)  # type: ignore[union-attr]
     kv_heads = k.shape[1]
     k = k.view(nd, width, kv_heads, head_dim).transpose(1, 2)
     v = v.view(nd, width, kv_heads, head_dim).transpose(1, 2)
-    # enable_gqa: SDPA maps query heads onto their KV head without repeating K/V in memory.
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, enable_gqa=True)
+    # The query heads sharing a KV head become that head's query rows ([nd, kv_heads, group, head_dim]):
+    # one single-query attention per (row, query head) becomes one per (row, KV head), a third of the
+    # calls for SmolLM2, and SDPA's per-call cost is most of a decode step's attention on CPU.
+    qg = q.view(nd, kv_heads, heads // kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask(q.dtype))
     return o.reshape(nd, heads, head_dim)
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvyard.errors import CheckpointError
+from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.attention import AttentionMetadata, paged_attention
 from kvyard.models.config import ModelConfig
 from kvyard.models.kv_layer import LayerKV
@@ -55,11 +56,34 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.T
     return F.linear(x, w, b)
 
 
+def _fusable(x: torch.Tensor) -> bool:
+    """Whether kvyard's fused CPU kernels take this activation (2-D, dense, fp32 or bf16, on CPU)."""
+    return (x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
+            and x.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available())
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _fusable(x):
+        return torch.ops.kvyard.rms_norm(x, weight, eps)
     # Same order of operations as HF: normalise in fp32, cast back, then scale. F.rms_norm does the
     # fp32 part (x * rsqrt(mean(x^2) + eps)) in one call instead of five.
     normed = F.rms_norm(x.float(), x.shape[-1:], eps=eps)
     return weight * normed.to(x.dtype)
+
+
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += delta in place (the residual stream, rounded once as HF's x = x + y), then rms_norm(x)."""
+    if _fusable(x) and delta.is_contiguous() and delta.dtype == x.dtype:
+        return torch.ops.kvyard.add_rms_norm_(x, delta, weight, eps)
+    return rms_norm(x.add_(delta), weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for the fused gate|up projection's output [rows, 2 * intermediate]."""
+    if _fusable(gate_up):
+        return torch.ops.kvyard.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
 
 
 @dataclass
@@ -175,8 +199,8 @@ class DecoderModel:
         """One decoder layer on the residual stream `x`, updated in place (and returned): each sum is rounded
         once, as HF's x = x + y is."""
         eps = self.cfg.rms_norm_eps
-        x.add_(self._attention(rms_norm(x, layer.input_norm, eps), layer, cache, meta, cos, sin))
-        return x.add_(self._mlp(rms_norm(x, layer.post_norm, eps), layer))
+        h = self._attention(rms_norm(x, layer.input_norm, eps), layer, cache, meta, cos, sin)
+        return x.add_(self._mlp(add_rms_norm_(x, h, layer.post_norm, eps), layer))
 
     def _head(self) -> Weight:
         # Packed on first use rather than at load: callers may still slice or swap lm_head after loading
@@ -193,12 +217,15 @@ class DecoderModel:
         qk = qkv[:, : heads + kv_heads]
         if layer.qk_norm is not None:
             qk.copy_(rms_norm(qk, layer.qk_norm, cfg.rms_norm_eps))
-        # RoPE in place on q and k: v stays next to k in the same buffer, and no q/k copies are made.
-        apply_rotary(qk, cos, sin, out=qk)
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
-        attn = paged_attention(q, k, v, cache, meta)
+        if _fusable(h) and not cache.quantized and cache.k.dtype == qkv.dtype:
+            torch.ops.kvyard.rope_write_kv_(qkv, cos, sin, heads, kv_heads, cache.k, cache.v, meta.slot_mapping)
+        else:
+            # RoPE in place on q and k: v stays next to k in the same buffer, and no q/k copies are made.
+            apply_rotary(qk, cos, sin, out=qk)
+            cache.write(meta.slot_mapping, k, v)
+        attn = paged_attention(q, cache, meta, k, v)
         return linear(attn.reshape(n, self.q_size), layer.o)
 
     def _mlp(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
-        return linear(F.silu(gate).mul_(up), layer.down)
+        return linear(silu_mul(linear(h, layer.gate_up)), layer.down)

@@ -1,6 +1,7 @@
 import pytest
 
 from kvyard import LLM, SamplingParams
+from kvyard.config import OFFLINE_TOKEN_BUDGET
 from kvyard.errors import InvalidRequestError, PromptTooLongError, UnsupportedArchitectureError
 from tests.tiny import make_tiny_checkpoint
 
@@ -122,3 +123,10 @@ def test_lone_prompt_longer_than_the_token_budget(tiny_checkpoint):
     prompt = "Paged attention keeps the KV cache in fixed-size blocks. " * 2
     a, b = chunked.generate(prompt, GREEDY)[0].outputs[0], whole.generate(prompt, GREEDY)[0].outputs[0]
     assert a.finish_reason == "length" and a.token_ids == b.token_ids
+
+
+def test_offline_llm_takes_the_offline_token_budget(tiny_checkpoint):
+    """The LLM class favours throughput (vLLM's offline default); an explicit budget always wins."""
+    path = str(tiny_checkpoint("llama"))
+    assert LLM(path, dtype="float32").engine.scheduler.token_budget == OFFLINE_TOKEN_BUDGET
+    assert LLM(path, dtype="float32", max_num_batched_tokens=32).engine.scheduler.token_budget == 32

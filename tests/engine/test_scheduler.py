@@ -1,4 +1,4 @@
-from kvyard.config import EngineConfig
+from kvyard.config import ONLINE_TOKEN_BUDGET, EngineConfig
 from kvyard.engine.block_manager import BlockManager
 from kvyard.engine.request import Request, Status
 from kvyard.engine.scheduler import Scheduler
@@ -78,3 +78,8 @@ def test_finish_returns_blocks():
     assert s.blocks.num_free_blocks == 5
     s.finish(r, "abort")
     assert s.blocks.num_free_blocks == 8 and not s.has_work()
+
+
+def test_token_budget_defaults_to_the_online_one():
+    assert make().token_budget == ONLINE_TOKEN_BUDGET
+    assert make(max_num_batched_tokens=10).token_budget == 10

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import kvyard.models.decoder as decoder
 from kvyard import LLM
+from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.attention import AttentionMetadata, PrefillSpan, causal_context_mask, paged_attention
 from kvyard.models.decoder import linear, pack_weight
 from kvyard.models.kv_layer import LayerKV
@@ -53,9 +54,14 @@ def _reference_attention(q, k, v):
     return o.transpose(0, 1)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "sdpa"])
 @pytest.mark.parametrize("int8", [False, True])
-def test_decodes_and_chunks_in_one_step_match_per_sequence_attention(int8):
+def test_decodes_and_chunks_in_one_step_match_per_sequence_attention(int8, kernel, monkeypatch):
     """Two decodes of different lengths (padded, masked) and a chunk over cached context, in one call."""
+    if kernel:
+        assert cpu_kernels.available()
+    else:
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     torch.manual_seed(0)
     bs, heads, kv_heads, d = 4, 6, 2, 8
     cache = LayerKV.allocate(16 * bs, kv_heads, d, torch.float32, CPU, int8=int8)
@@ -72,16 +78,16 @@ def test_decodes_and_chunks_in_one_step_match_per_sequence_attention(int8):
         cache.write(slots(s, 0, n - new[s]), k_all[s][: n - new[s]], v_all[s][: n - new[s]])
     order = ["a", "b", "c"]
     q = {s: torch.randn(new[s], heads, d) for s in order}
-    width = 3 * bs
     blocks = torch.tensor([tables["a"], tables["b"] + [0, 0]])
-    mask = torch.arange(width).unsqueeze(0) < torch.tensor([[lengths["a"]], [lengths["b"]]])
     meta = AttentionMetadata(
         slot_mapping=torch.cat([slots(s, lengths[s] - new[s], lengths[s]) for s in order]),
-        block_size=bs, num_decodes=2, decode_blocks=blocks, decode_mask=mask.view(2, 1, 1, width),
+        block_size=bs, num_decodes=2, decode_blocks=blocks, decode_lens=torch.tensor([lengths["a"], lengths["b"]]),
         prefills=[PrefillSpan(2, 5, slots("c", 0, 7), causal_context_mask(3, 7, CPU))],
     )
-    out = paged_attention(torch.cat([q[s] for s in order]), torch.cat([k_all[s][-new[s]:] for s in order]),
-                          torch.cat([v_all[s][-new[s]:] for s in order]), cache, meta)
+    k_new = torch.cat([k_all[s][-new[s]:] for s in order])
+    v_new = torch.cat([v_all[s][-new[s]:] for s in order])
+    cache.write(meta.slot_mapping, k_new, v_new)
+    out = paged_attention(torch.cat([q[s] for s in order]), cache, meta, k_new, v_new)
     expected = torch.cat([_reference_attention(q[s], k_all[s], v_all[s]) for s in order])
     assert torch.allclose(out, expected, atol=0.05 if int8 else 1e-5)
 

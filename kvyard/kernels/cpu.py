@@ -1,0 +1,68 @@
+"""kvyard's hand-written CPU kernels (csrc/), compiled once per machine and cached.
+
+The first use builds them with PyTorch's JIT extension builder (about 20 s; the result is kept in
+PyTorch's extensions cache, keyed by the source). Where no compiler is available, or with
+KVYARD_CPU_KERNELS=0, the callers fall back to plain PyTorch ops: same results within rounding, slower.
+"""
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "norm_act.cpp", _CSRC / "rope_kv.cpp"]
+_HEADERS = [_CSRC / "vec.h"]
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get("KVYARD_CPU_KERNELS", "1") not in ("0", "false", "no")
+
+
+def available() -> bool:
+    """True when torch.ops.kvyard.* can be called (building them on first call)."""
+    global _loaded
+    if _loaded is None:
+        with _lock:
+            if _loaded is None:
+                _loaded = enabled_by_env() and _build()
+    return _loaded
+
+
+# -fopenmp: at::parallel_for is a header template, parallel only when compiled with OpenMP; the extension
+# then shares the libgomp torch has already loaded. -fno-trapping-math lets GCC vectorise floor() and
+# selects (exp, silu); results are the same IEEE values. -ffp-contract=off: no a * b + c fused into one
+# rounding where PyTorch rounds the product first.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-ffp-contract=off"]
+_OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_write_kv_")
+
+
+def _build() -> bool:
+    from torch.utils.cpp_extension import load
+
+    # The name carries a hash of every source, header and flag: any edit gets a fresh build, never a stale
+    # cached library.
+    parts = [p.read_bytes() for p in _SOURCES + _HEADERS] + [" ".join(_CFLAGS).encode()]
+    digest = hashlib.sha256(b"".join(parts)).hexdigest()[:12]
+    log.info("loading kvyard's CPU kernels (the first use on a machine compiles them, about 20 s)")
+    try:
+        load(
+            name=f"kvyard_cpu_ops_{digest}",
+            sources=[str(p) for p in _SOURCES],
+            extra_include_paths=[str(_CSRC)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, an unsupported platform: fall back, loudly
+        log.warning("CPU kernels unavailable (%s: %s); using plain PyTorch ops", type(exc).__name__, exc)
+        return False
+    return all(hasattr(torch.ops.kvyard, op) for op in _OPS)

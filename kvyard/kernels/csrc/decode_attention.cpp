@@ -1,0 +1,258 @@
+// kvyard's CPU kernels, registered as torch.ops.kvyard.*; built once per machine by kvyard/kernels/cpu.py.
+//
+// Why hand-written: at decode time the work per layer is tiny (32 rows x ~200 cached tokens), so
+// PyTorch's per-call costs dominate. One pass that reads K/V in place through the block table replaces
+// a gather copy plus an SDPA call that loops over (row, head) pairs.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using namespace kvyard;
+
+// Calls f(position, slot) for positions 0 .. len-1 of a row, walking its block table block by block.
+// While one block is computed, the next block's bytes of `cache` (`slot_bytes` per slot) are prefetched:
+// blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at every block edge, and
+// waiting for those loads was the kernel's largest cost.
+template <typename F>
+inline void for_each_token(const int64_t* table, int64_t len, int64_t block_size, const void* cache,
+                           int64_t slot_bytes, F&& f) {
+  const char* base_ptr = static_cast<const char*>(cache);
+  const int64_t block_bytes = block_size * slot_bytes;
+  for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
+    if (t0 + block_size < len) {
+      const char* next = base_ptr + table[b + 1] * block_bytes;
+      for (int64_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
+    }
+    const int64_t base = table[b] * block_size, n = std::min(block_size, len - t0);
+    for (int64_t j = 0; j < n; ++j) f(t0 + j, base + j);
+  }
+}
+
+#ifdef __AVX512F__
+// 16 bf16 values -> 16 floats (a bf16 is the top half of a float).
+inline __m512 load16_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// The bf16 cache's hot path: one KV head and its G query heads, head_dim D, with the queries and the G x D
+// output accumulators held in registers for the whole walk over the context (the generic loop keeps them
+// in memory and converts through a buffer). Same arithmetic as the generic path: fp32 dot products and
+// accumulation, exact softmax.
+template <int D, int G>
+void attend_head_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* table,
+                      int64_t len, int64_t block_size, int64_t kv_heads, int64_t head, float scale,
+                      uint16_t* out, float* scores) {
+  constexpr int NV = D / 16;
+  const int64_t slot_bytes = kv_heads * D * 2;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 qv[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) qv[g][i] = _mm512_mul_ps(load16_bf16(q + g * D + i * 16), vscale);
+  for_each_token(table, len, block_size, k, slot_bytes, [&](int64_t t, int64_t slot) {
+    const uint16_t* kr = k + (slot * kv_heads + head) * D;
+    __m512 kv[NV];
+    for (int i = 0; i < NV; ++i) kv[i] = load16_bf16(kr + i * 16);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(qv[g][i], kv[i], acc);
+      scores[g * len + t] = _mm512_reduce_add_ps(acc);
+    }
+  });
+  float inv_sum[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * len;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; ++t) m = sg[t] > m ? sg[t] : m;
+    inv_sum[g] = 1.0f / exp_shifted(sg, len, m);
+  }
+  __m512 acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
+  for_each_token(table, len, block_size, v, slot_bytes, [&](int64_t t, int64_t slot) {
+    const uint16_t* vr = v + (slot * kv_heads + head) * D;
+    __m512 vv[NV];
+    for (int i = 0; i < NV; ++i) vv[i] = load16_bf16(vr + i * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+      for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(p, vv[i], acc[g][i]);
+    }
+  });
+  for (int g = 0; g < G; ++g) {
+    alignas(64) float row[D];
+    for (int i = 0; i < NV; ++i) _mm512_store_ps(row + i * 16, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv_sum[g])));
+    store_row(row, 1.0f, reinterpret_cast<at::BFloat16*>(out + g * D), D);
+  }
+}
+
+using HeadKernel = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t,
+                            int64_t, int64_t, float, uint16_t*, float*);
+
+// The specialisation for (head_dim, group), or null where the generic loop serves.
+template <int D>
+HeadKernel head_kernel_for_group(int64_t group) {
+  switch (group) {
+    case 1: return &attend_head_bf16<D, 1>;
+    case 2: return &attend_head_bf16<D, 2>;
+    case 3: return &attend_head_bf16<D, 3>;
+    case 4: return &attend_head_bf16<D, 4>;
+    case 5: return &attend_head_bf16<D, 5>;
+    case 6: return &attend_head_bf16<D, 6>;
+    case 7: return &attend_head_bf16<D, 7>;
+    case 8: return &attend_head_bf16<D, 8>;
+    default: return nullptr;
+  }
+}
+
+inline HeadKernel bf16_head_kernel(int64_t d, int64_t group) {
+  if (d == 64) return head_kernel_for_group<64>(group);
+  if (d == 128) return head_kernel_for_group<128>(group);
+  return nullptr;
+}
+#endif
+
+// Attention of one row for KV heads [h0, h1) and the `group` query heads sharing each, over `len` cached
+// tokens found through the row's block table. Every token's K (then V) rows of those heads are read
+// together: one token's heads sit side by side in the cache, so the reads stream through memory. Scores
+// are kept whole (len is at most the context), so softmax is exact rather than online.
+template <typename Q, typename C>
+void attend_row(const Q* q, const C* k, const C* v, const float* k_scale, const float* v_scale,
+                const int64_t* table, int64_t len, int64_t block_size, int64_t kv_heads, int64_t h0, int64_t h1,
+                int64_t group, int64_t d, float scale, Q* out, std::vector<float>& buf) {
+  const int64_t nh = h1 - h0, nq = nh * group;  // KV heads and query heads handled here
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<C, at::BFloat16>) {
+    if (HeadKernel kernel = bf16_head_kernel(d, group)) {
+      buf.resize(group * len);
+      for (int64_t h = 0; h < nh; ++h) {
+        kernel(reinterpret_cast<const uint16_t*>(q + h * group * d), reinterpret_cast<const uint16_t*>(k),
+               reinterpret_cast<const uint16_t*>(v), table, len, block_size, kv_heads, h0 + h, scale,
+               reinterpret_cast<uint16_t*>(out + h * group * d), buf.data());
+      }
+      return;
+    }
+  }
+#endif
+  buf.resize(nq * d * 2 + nh * d + nq * len);
+  float* qf = buf.data();
+  float* acc = qf + nq * d;
+  float* rows = acc + nq * d;
+  float* scores = rows + nh * d;
+  for (int64_t j = 0; j < nq; ++j) {
+    load_row(q + j * d, 1.0f, qf + j * d, d);
+    for (int64_t i = 0; i < d; ++i) qf[j * d + i] *= scale;
+  }
+  auto load_heads = [&](const C* cache, const float* cache_scale, int64_t slot) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const int64_t at = slot * kv_heads + h0 + h;
+      load_row(cache + at * d, cache_scale ? cache_scale[at] : 1.0f, rows + h * d, d);
+    }
+  };
+  for_each_token(table, len, block_size, k, kv_heads * d * sizeof(C), [&](int64_t t, int64_t slot) {
+    load_heads(k, k_scale, slot);
+    for (int64_t j = 0; j < nq; ++j) scores[j * len + t] = dot(qf + j * d, rows + (j / group) * d, d);
+  });
+  std::vector<float> inv_sum(nq);
+  for (int64_t j = 0; j < nq; ++j) {
+    float* sj = scores + j * len;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < len; ++t) m = sj[t] > m ? sj[t] : m;
+    inv_sum[j] = 1.0f / exp_shifted(sj, len, m);
+  }
+  std::fill(acc, acc + nq * d, 0.0f);
+  for_each_token(table, len, block_size, v, kv_heads * d * sizeof(C), [&](int64_t t, int64_t slot) {
+    load_heads(v, v_scale, slot);
+    for (int64_t j = 0; j < nq; ++j) {
+      const float p = scores[j * len + t];
+      const float* row = rows + (j / group) * d;
+      float* aj = acc + j * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) aj[i] += p * row[i];
+    }
+  });
+  for (int64_t j = 0; j < nq; ++j) store_row(acc + j * d, inv_sum[j], out + j * d, d);
+}
+
+template <typename Q, typename C>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const float* k_scale, const float* v_scale, const at::Tensor& table,
+                           const at::Tensor& lens, int64_t block_size, double scale, at::Tensor& out) {
+  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2), q_row = q.stride(0);
+  const int64_t kv_heads = k.size(1), group = heads / kv_heads, width = table.size(1);
+  const Q* qp = q.data_ptr<Q>();
+  Q* op = out.data_ptr<Q>();
+  const C* kp = k.data_ptr<C>();
+  const C* vp = v.data_ptr<C>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  // A work item is a whole row when there are rows enough to keep every thread busy, else one KV head.
+  const int64_t split = rows >= 2 * at::get_num_threads() ? 1 : kv_heads;
+  const int64_t per_item = kv_heads / split;
+  at::parallel_for(0, rows * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / split, h0 = (item % split) * per_item;
+      attend_row<Q, C>(qp + r * q_row + h0 * group * d, kp, vp, k_scale, v_scale, tp + r * width, lp[r],
+                       block_size, kv_heads, h0, h0 + per_item, group, d, static_cast<float>(scale),
+                       op + (r * heads + h0 * group) * d, buf);
+    }
+  });
+}
+
+// q [rows, heads, head_dim] (rows may be strided); k_cache / v_cache [slots, kv_heads, head_dim] in q's dtype, or int8 with
+// k_scale / v_scale [slots, kv_heads]; block_table [rows, max_blocks] int64; seq_lens [rows] int64.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const std::optional<at::Tensor>& k_scale,
+                                  const std::optional<at::Tensor>& v_scale, const at::Tensor& block_table,
+                                  const at::Tensor& seq_lens, int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and the caches must be 3-D");
+  // q may be a row slice of the fused qkv projection: only its heads must be dense.
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q's heads must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_table.is_contiguous() &&
+                  seq_lens.is_contiguous(),
+              "caches, block_table and seq_lens must be contiguous");
+  TORCH_CHECK(block_table.size(0) == q.size(0) && seq_lens.size(0) == q.size(0), "one table row and length per q row");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "block_table and seq_lens must be int64");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(2), "head_dim of q and the cache differ");
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()), "int8 caches need both scales");
+  TORCH_CHECK(int8 || k_cache.scalar_type() == q.scalar_type(), "cache dtype must be q's or int8");
+  const float* ks = int8 ? k_scale->data_ptr<float>() : nullptr;
+  const float* vs = int8 ? v_scale->data_ptr<float>() : nullptr;
+  if (q.scalar_type() == at::kFloat) {
+    if (int8)
+      decode_attention_impl<float, int8_t>(q, k_cache, v_cache, ks, vs, block_table, seq_lens, block_size, scale, out);
+    else
+      decode_attention_impl<float, float>(q, k_cache, v_cache, ks, vs, block_table, seq_lens, block_size, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    if (int8)
+      decode_attention_impl<at::BFloat16, int8_t>(q, k_cache, v_cache, ks, vs, block_table, seq_lens, block_size,
+                                                  scale, out);
+    else
+      decode_attention_impl<at::BFloat16, at::BFloat16>(q, k_cache, v_cache, ks, vs, block_table, seq_lens,
+                                                        block_size, scale, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16, got ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvyard, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
+        "Tensor block_table, Tensor seq_lens, int block_size, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
