@@ -16,19 +16,22 @@ namespace {
 
 using namespace kvyard;
 
+// The part of every slot that a walk reads: `bytes` from `offset` within slots `stride` bytes apart.
+struct SlotSpan {
+  const char* base;
+  int64_t stride, offset, bytes;
+};
+
 // Calls f(position, slot) for positions 0 .. len-1 of a row, walking its block table block by block.
-// While one block is computed, the next block's bytes of `cache` (`slot_bytes` per slot) are prefetched:
-// blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at every block edge, and
-// waiting for those loads was the kernel's largest cost.
+// While one block is computed, the span of the next block's slots is prefetched: blocks sit anywhere in
+// the pool, so the hardware prefetcher loses the stream at every block edge.
 template <typename F>
-inline void for_each_token(const int64_t* table, int64_t len, int64_t block_size, const void* cache,
-                           int64_t slot_bytes, F&& f) {
-  const char* base_ptr = static_cast<const char*>(cache);
-  const int64_t block_bytes = block_size * slot_bytes;
+inline void for_each_token(const int64_t* table, int64_t len, int64_t block_size, const SlotSpan& span, F&& f) {
   for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
     if (t0 + block_size < len) {
-      const char* next = base_ptr + table[b + 1] * block_bytes;
-      for (int64_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
+      const char* next = span.base + table[b + 1] * block_size * span.stride + span.offset;
+      for (int64_t j = 0; j < block_size; ++j)
+        for (int64_t off = 0; off < span.bytes; off += 64) __builtin_prefetch(next + j * span.stride + off, 0, 3);
     }
     const int64_t base = table[b] * block_size, n = std::min(block_size, len - t0);
     for (int64_t j = 0; j < n; ++j) f(t0 + j, base + j);
@@ -51,12 +54,13 @@ void attend_head_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, c
                       int64_t len, int64_t block_size, int64_t kv_heads, int64_t head, float scale,
                       uint16_t* out, float* scores) {
   constexpr int NV = D / 16;
-  const int64_t slot_bytes = kv_heads * D * 2;
+  const SlotSpan k_span{reinterpret_cast<const char*>(k), kv_heads * D * 2, head * D * 2, D * 2};
+  const SlotSpan v_span{reinterpret_cast<const char*>(v), kv_heads * D * 2, head * D * 2, D * 2};
   const __m512 vscale = _mm512_set1_ps(scale);
   __m512 qv[G][NV];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) qv[g][i] = _mm512_mul_ps(load16_bf16(q + g * D + i * 16), vscale);
-  for_each_token(table, len, block_size, k, slot_bytes, [&](int64_t t, int64_t slot) {
+  for_each_token(table, len, block_size, k_span, [&](int64_t t, int64_t slot) {
     const uint16_t* kr = k + (slot * kv_heads + head) * D;
     __m512 kv[NV];
     for (int i = 0; i < NV; ++i) kv[i] = load16_bf16(kr + i * 16);
@@ -76,7 +80,7 @@ void attend_head_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, c
   __m512 acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
-  for_each_token(table, len, block_size, v, slot_bytes, [&](int64_t t, int64_t slot) {
+  for_each_token(table, len, block_size, v_span, [&](int64_t t, int64_t slot) {
     const uint16_t* vr = v + (slot * kv_heads + head) * D;
     __m512 vv[NV];
     for (int i = 0; i < NV; ++i) vv[i] = load16_bf16(vr + i * 16);
@@ -149,13 +153,17 @@ void attend_row(const Q* q, const C* k, const C* v, const float* k_scale, const 
     load_row(q + j * d, 1.0f, qf + j * d, d);
     for (int64_t i = 0; i < d; ++i) qf[j * d + i] *= scale;
   }
+  auto span_of = [&](const C* cache) {
+    const int64_t row = d * static_cast<int64_t>(sizeof(C));
+    return SlotSpan{reinterpret_cast<const char*>(cache), kv_heads * row, h0 * row, nh * row};
+  };
   auto load_heads = [&](const C* cache, const float* cache_scale, int64_t slot) {
     for (int64_t h = 0; h < nh; ++h) {
       const int64_t at = slot * kv_heads + h0 + h;
       load_row(cache + at * d, cache_scale ? cache_scale[at] : 1.0f, rows + h * d, d);
     }
   };
-  for_each_token(table, len, block_size, k, kv_heads * d * sizeof(C), [&](int64_t t, int64_t slot) {
+  for_each_token(table, len, block_size, span_of(k), [&](int64_t t, int64_t slot) {
     load_heads(k, k_scale, slot);
     for (int64_t j = 0; j < nq; ++j) scores[j * len + t] = dot(qf + j * d, rows + (j / group) * d, d);
   });
@@ -168,7 +176,7 @@ void attend_row(const Q* q, const C* k, const C* v, const float* k_scale, const 
     inv_sum[j] = 1.0f / exp_shifted(sj, len, m);
   }
   std::fill(acc, acc + nq * d, 0.0f);
-  for_each_token(table, len, block_size, v, kv_heads * d * sizeof(C), [&](int64_t t, int64_t slot) {
+  for_each_token(table, len, block_size, span_of(v), [&](int64_t t, int64_t slot) {
     load_heads(v, v_scale, slot);
     for (int64_t j = 0; j < nq; ++j) {
       const float p = scores[j * len + t];
