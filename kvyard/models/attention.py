@@ -32,7 +32,7 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor | None = None  # [decodes, max_blocks] block ids (padding points at block 0)
     decode_lens: torch.Tensor | None = None  # [decodes] int64: context length of each decode row
     prefills: list[PrefillSpan] = field(default_factory=list)
-    _decode_mask: torch.Tensor | None = None
+    _decode_mask: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def decode_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """[decodes, 1, 1, max_blocks * block_size] additive mask (0 / -inf) over the padded blocks; made
@@ -76,7 +76,7 @@ def decode_attention(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata) -
     """One query per row against its whole context: on CPU one kernel call that reads K/V in place through
     the block tables; otherwise one SDPA call over the gathered, padded and masked blocks."""
     nd, heads, head_dim = q.shape
-    if q.device.type == "cpu" and cpu_kernels.available():
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available():
         return torch.ops.kvyard.paged_decode_attention(
             q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.decode_blocks, meta.decode_lens,
             meta.block_size, head_dim**-0.5)

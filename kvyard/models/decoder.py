@@ -63,7 +63,7 @@ def _fusable(x: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if _fusable(x):
+    if _fusable(x) and weight.dtype == x.dtype:
         return torch.ops.kvyard.rms_norm(x, weight, eps)
     # Same order of operations as HF: normalise in fp32, cast back, then scale. F.rms_norm does the
     # fp32 part (x * rsqrt(mean(x^2) + eps)) in one call instead of five.
@@ -73,7 +73,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x += delta in place (the residual stream, rounded once as HF's x = x + y), then rms_norm(x)."""
-    if _fusable(x) and delta.is_contiguous() and delta.dtype == x.dtype:
+    if _fusable(x) and delta.is_contiguous() and delta.dtype == x.dtype == weight.dtype:
         return torch.ops.kvyard.add_rms_norm_(x, delta, weight, eps)
     return rms_norm(x.add_(delta), weight, eps)
 

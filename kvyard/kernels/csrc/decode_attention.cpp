@@ -1,4 +1,4 @@
-// kvyard's CPU kernels, registered as torch.ops.kvyard.*; built once per machine by kvyard/kernels/cpu.py.
+// Paged decode attention on CPU, registered as torch.ops.kvyard.paged_decode_attention (see kvyard/kernels/cpu.py).
 //
 // Why hand-written: at decode time the work per layer is tiny (32 rows x ~200 cached tokens), so
 // PyTorch's per-call costs dominate. One pass that reads K/V in place through the block table replaces

@@ -1,0 +1,45 @@
+"""Decode attention alone, on a real engine state: 32 rows of SmolLM2 ~157 tokens in, all 30 layers.
+
+usage: python tools/decode_attention_time.py   (KVYARD_CPU_KERNELS=0 times the gather + SDPA path)
+"""
+import statistics
+import time
+
+import torch
+
+import kvyard.models.attention as attention
+from kvyard.bench.workload import random_workload
+from kvyard.llm import LLM
+from kvyard.sampling_params import SamplingParams
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    eng = LLM("smollm2-135m").engine
+    for prompt in random_workload(eng.tokenizer, 32, 128, 64, seed=5).prompts:
+        eng.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    for _ in range(30):
+        eng.step()
+    captured = []
+    run = attention.decode_attention
+
+    def capture(q, cache, meta):
+        captured.append((q.clone(), cache, meta))
+        return run(q, cache, meta)
+
+    attention.decode_attention = capture
+    eng.step()
+    attention.decode_attention = run
+    times = []
+    for _ in range(15):
+        start = time.perf_counter()
+        for q, cache, meta in captured:
+            run(q, cache, meta)
+        times.append(time.perf_counter() - start)
+    lens = captured[0][2].decode_lens
+    print(f"{len(captured)} layers, {q.shape[0]} rows, {int(lens.min())}-{int(lens.max())} tokens: "
+          f"{statistics.median(times) * 1e3:.2f} ms per step (median of 15)")
+
+
+if __name__ == "__main__":
+    main()
