@@ -1,8 +1,10 @@
 """Decode attention alone, on a real engine state: 32 rows of SmolLM2 ~157 tokens in, all 30 layers.
 
-usage: python tools/decode_attention_time.py   (KVYARD_CPU_KERNELS=0 times the gather + SDPA path)
+usage: python tools/decode_attention_time.py [KV_CACHE_DTYPE]   (auto or int8; KVYARD_CPU_KERNELS=0 times the
+       gather + SDPA path)
 """
 import statistics
+import sys
 import time
 
 import torch
@@ -15,7 +17,8 @@ from kvyard.sampling_params import SamplingParams
 
 def main() -> None:
     torch.set_num_threads(2)
-    eng = LLM("smollm2-135m").engine
+    kv_dtype = sys.argv[1] if len(sys.argv) > 1 else "auto"
+    eng = LLM("smollm2-135m", kv_cache_dtype=kv_dtype).engine
     for prompt in random_workload(eng.tokenizer, 32, 128, 64, seed=5).prompts:
         eng.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     for _ in range(30):
@@ -37,7 +40,7 @@ def main() -> None:
             run(q, cache, meta)
         times.append(time.perf_counter() - start)
     lens = captured[0][2].decode_lens
-    print(f"{len(captured)} layers, {q.shape[0]} rows, {int(lens.min())}-{int(lens.max())} tokens: "
+    print(f"KV cache {kv_dtype}: {len(captured)} layers, {q.shape[0]} rows, {int(lens.min())}-{int(lens.max())} tokens: "
           f"{statistics.median(times) * 1e3:.2f} ms per step (median of 15)")
 
 

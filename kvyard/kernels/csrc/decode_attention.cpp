@@ -39,31 +39,37 @@ inline void for_each_token(const int64_t* table, int64_t len, int64_t block_size
 }
 
 #ifdef __AVX512F__
-// 16 bf16 values -> 16 floats (a bf16 is the top half of a float).
-inline __m512 load16_bf16(const uint16_t* p) {
+// 16 cached values -> 16 floats: bf16 is the top half of a float; int8 is scaled by its (token, head) scale.
+inline __m512 load16(const uint16_t* p, float) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
       reinterpret_cast<const __m256i*>(p))), 16));
 }
+inline __m512 load16(const int8_t* p, float scale) {
+  const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  return _mm512_mul_ps(x, _mm512_set1_ps(scale));
+}
 
-// The bf16 cache's hot path: one KV head and its G query heads, head_dim D, with the queries and the G x D
-// output accumulators held in registers for the whole walk over the context (the generic loop keeps them
-// in memory and converts through a buffer). Same arithmetic as the generic path: fp32 dot products and
-// accumulation, exact softmax.
-template <int D, int G>
-void attend_head_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* table,
-                      int64_t len, int64_t block_size, int64_t kv_heads, int64_t head, float scale,
-                      uint16_t* out, float* scores) {
+// The hot path for bf16 queries over a bf16 or int8 cache: one KV head and its G query heads, head_dim D,
+// with the queries and the G x D output accumulators held in registers for the whole walk over the
+// context (the generic loop keeps them in memory and converts through a buffer). Same arithmetic as the
+// generic path: fp32 dot products and accumulation, exact softmax.
+template <int D, int G, typename C>
+void attend_head(const uint16_t* q, const C* k, const C* v, const float* k_scale, const float* v_scale,
+                 const int64_t* table, int64_t len, int64_t block_size, int64_t kv_heads, int64_t head,
+                 float scale, uint16_t* out, float* scores) {
   constexpr int NV = D / 16;
-  const SlotSpan k_span{reinterpret_cast<const char*>(k), kv_heads * D * 2, head * D * 2, D * 2};
-  const SlotSpan v_span{reinterpret_cast<const char*>(v), kv_heads * D * 2, head * D * 2, D * 2};
+  constexpr int64_t row_bytes = D * sizeof(C);
+  const SlotSpan k_span{reinterpret_cast<const char*>(k), kv_heads * row_bytes, head * row_bytes, row_bytes};
+  const SlotSpan v_span{reinterpret_cast<const char*>(v), kv_heads * row_bytes, head * row_bytes, row_bytes};
   const __m512 vscale = _mm512_set1_ps(scale);
   __m512 qv[G][NV];
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < NV; ++i) qv[g][i] = _mm512_mul_ps(load16_bf16(q + g * D + i * 16), vscale);
+    for (int i = 0; i < NV; ++i) qv[g][i] = _mm512_mul_ps(load16(q + g * D + i * 16, 1.0f), vscale);
   for_each_token(table, len, block_size, k_span, [&](int64_t t, int64_t slot) {
-    const uint16_t* kr = k + (slot * kv_heads + head) * D;
+    const int64_t at = slot * kv_heads + head;
+    const float s = k_scale ? k_scale[at] : 1.0f;
     __m512 kv[NV];
-    for (int i = 0; i < NV; ++i) kv[i] = load16_bf16(kr + i * 16);
+    for (int i = 0; i < NV; ++i) kv[i] = load16(k + at * D + i * 16, s);
     for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
       for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(qv[g][i], kv[i], acc);
@@ -81,9 +87,10 @@ void attend_head_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, c
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
   for_each_token(table, len, block_size, v_span, [&](int64_t t, int64_t slot) {
-    const uint16_t* vr = v + (slot * kv_heads + head) * D;
+    const int64_t at = slot * kv_heads + head;
+    const float s = v_scale ? v_scale[at] : 1.0f;
     __m512 vv[NV];
-    for (int i = 0; i < NV; ++i) vv[i] = load16_bf16(vr + i * 16);
+    for (int i = 0; i < NV; ++i) vv[i] = load16(v + at * D + i * 16, s);
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(scores[g * len + t]);
       for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(p, vv[i], acc[g][i]);
@@ -96,28 +103,30 @@ void attend_head_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, c
   }
 }
 
-using HeadKernel = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t,
-                            int64_t, int64_t, float, uint16_t*, float*);
+template <typename C>
+using HeadKernel = void (*)(const uint16_t*, const C*, const C*, const float*, const float*, const int64_t*,
+                            int64_t, int64_t, int64_t, int64_t, float, uint16_t*, float*);
 
 // The specialisation for (head_dim, group), or null where the generic loop serves.
-template <int D>
-HeadKernel head_kernel_for_group(int64_t group) {
+template <int D, typename C>
+HeadKernel<C> head_kernel_for_group(int64_t group) {
   switch (group) {
-    case 1: return &attend_head_bf16<D, 1>;
-    case 2: return &attend_head_bf16<D, 2>;
-    case 3: return &attend_head_bf16<D, 3>;
-    case 4: return &attend_head_bf16<D, 4>;
-    case 5: return &attend_head_bf16<D, 5>;
-    case 6: return &attend_head_bf16<D, 6>;
-    case 7: return &attend_head_bf16<D, 7>;
-    case 8: return &attend_head_bf16<D, 8>;
+    case 1: return &attend_head<D, 1, C>;
+    case 2: return &attend_head<D, 2, C>;
+    case 3: return &attend_head<D, 3, C>;
+    case 4: return &attend_head<D, 4, C>;
+    case 5: return &attend_head<D, 5, C>;
+    case 6: return &attend_head<D, 6, C>;
+    case 7: return &attend_head<D, 7, C>;
+    case 8: return &attend_head<D, 8, C>;
     default: return nullptr;
   }
 }
 
-inline HeadKernel bf16_head_kernel(int64_t d, int64_t group) {
-  if (d == 64) return head_kernel_for_group<64>(group);
-  if (d == 128) return head_kernel_for_group<128>(group);
+template <typename C>
+HeadKernel<C> head_kernel(int64_t d, int64_t group) {
+  if (d == 64) return head_kernel_for_group<64, C>(group);
+  if (d == 128) return head_kernel_for_group<128, C>(group);
   return nullptr;
 }
 #endif
@@ -132,13 +141,15 @@ void attend_row(const Q* q, const C* k, const C* v, const float* k_scale, const 
                 int64_t group, int64_t d, float scale, Q* out, std::vector<float>& buf) {
   const int64_t nh = h1 - h0, nq = nh * group;  // KV heads and query heads handled here
 #ifdef __AVX512F__
-  if constexpr (std::is_same_v<Q, at::BFloat16> && std::is_same_v<C, at::BFloat16>) {
-    if (HeadKernel kernel = bf16_head_kernel(d, group)) {
+  if constexpr (std::is_same_v<Q, at::BFloat16> && !std::is_same_v<C, float>) {
+    // The cache as the fast path reads it: bf16 as its raw bits, int8 as is.
+    using Raw = std::conditional_t<std::is_same_v<C, at::BFloat16>, uint16_t, C>;
+    if (HeadKernel<Raw> kernel = head_kernel<Raw>(d, group)) {
       buf.resize(group * len);
       for (int64_t h = 0; h < nh; ++h) {
-        kernel(reinterpret_cast<const uint16_t*>(q + h * group * d), reinterpret_cast<const uint16_t*>(k),
-               reinterpret_cast<const uint16_t*>(v), table, len, block_size, kv_heads, h0 + h, scale,
-               reinterpret_cast<uint16_t*>(out + h * group * d), buf.data());
+        kernel(reinterpret_cast<const uint16_t*>(q + h * group * d), reinterpret_cast<const Raw*>(k),
+               reinterpret_cast<const Raw*>(v), k_scale, v_scale, table, len, block_size, kv_heads, h0 + h,
+               scale, reinterpret_cast<uint16_t*>(out + h * group * d), buf.data());
       }
       return;
     }
