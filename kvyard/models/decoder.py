@@ -218,8 +218,9 @@ class DecoderModel:
         if layer.qk_norm is not None:
             qk.copy_(rms_norm(qk, layer.qk_norm, cfg.rms_norm_eps))
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
-        if _fusable(h) and not cache.quantized and cache.k.dtype == qkv.dtype:
-            torch.ops.kvyard.rope_write_kv_(qkv, cos, sin, heads, kv_heads, cache.k, cache.v, meta.slot_mapping)
+        if _fusable(h) and (cache.quantized or cache.k.dtype == qkv.dtype):
+            torch.ops.kvyard.rope_write_kv_(qkv, cos, sin, heads, kv_heads, cache.k, cache.v, cache.k_scale,
+                                            cache.v_scale, meta.slot_mapping)
         else:
             # RoPE in place on q and k: v stays next to k in the same buffer, and no q/k copies are made.
             apply_rotary(qk, cos, sin, out=qk)

@@ -130,8 +130,9 @@ def test_norm_and_silu_reject_bad_shapes():
         torch.ops.kvyard.silu_mul(torch.randn(2, 7))
 
 
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_write_kv_equals_rotary_then_cache_write(dtype):
+def test_rope_write_kv_equals_rotary_then_cache_write(dtype, int8):
     heads, kv_heads, d, n = 6, 2, 16, 5
     qkv = torch.randn(n, heads + 2 * kv_heads, d).to(dtype)
     angles = torch.rand(n, d // 2) * 6
@@ -141,10 +142,17 @@ def test_rope_write_kv_equals_rotary_then_cache_write(dtype):
     expected = qkv.clone()
     apply_rotary(expected[:, : heads + kv_heads], cos.unsqueeze(1), sin.unsqueeze(1),
                  out=expected[:, : heads + kv_heads])
-    cache = LayerKV.allocate(16, kv_heads, d, dtype, torch.device("cpu"))
-    torch.ops.kvyard.rope_write_kv_(qkv, cos, sin, heads, kv_heads, cache.k, cache.v, slots)
+    expected_cache = LayerKV.allocate(16, kv_heads, d, dtype, torch.device("cpu"), int8=int8)
+    expected_cache.write(slots, expected[:, heads : heads + kv_heads], expected[:, heads + kv_heads :])
+    cache = LayerKV.allocate(16, kv_heads, d, dtype, torch.device("cpu"), int8=int8)
+    torch.ops.kvyard.rope_write_kv_(qkv, cos, sin, heads, kv_heads, cache.k, cache.v, cache.k_scale, cache.v_scale,
+                                    slots)
     assert torch.equal(qkv, expected)  # the same roundings as HF's rotate_half form
-    assert torch.equal(cache.k[slots], expected[:, heads : heads + kv_heads])
-    assert torch.equal(cache.v[slots], expected[:, heads + kv_heads :])
+    # The cache holds what LayerKV.write stores (int8: the same values and scales as quantize_rows).
+    for got, want in zip((cache.k, cache.v, cache.k_scale, cache.v_scale),
+                         (expected_cache.k, expected_cache.v, expected_cache.k_scale, expected_cache.v_scale),
+                         strict=True):
+        assert (got is None and want is None) or torch.equal(got, want)
     with pytest.raises(RuntimeError, match="slot out of range"):
-        torch.ops.kvyard.rope_write_kv_(qkv, cos, sin, heads, kv_heads, cache.k, cache.v, slots + 16)
+        torch.ops.kvyard.rope_write_kv_(qkv, cos, sin, heads, kv_heads, cache.k, cache.v, cache.k_scale,
+                                        cache.v_scale, slots + 16)

@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "vec.h"
@@ -26,15 +28,39 @@ void rotate(T* x, const float* __restrict cos, const float* __restrict sin, floa
   store_row(buf, 1.0f, x, d);
 }
 
+// kv_heads rows of d values written to a cache slot: copied in the model dtype, or, for an int8 cache,
+// each row scaled by its own absolute maximum (as LayerKV's quantize_rows: scale = amax / 127, 1 for an
+// all-zero row, values rounded half to even).
+template <typename T>
+void store_rows(const T* src, int64_t kv_heads, int64_t d, void* cache, float* scales, int64_t slot,
+                std::vector<float>& buf) {
+  if (scales == nullptr) {
+    std::memcpy(static_cast<T*>(cache) + slot * kv_heads * d, src, kv_heads * d * sizeof(T));
+    return;
+  }
+  int8_t* out = static_cast<int8_t*>(cache) + slot * kv_heads * d;
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    load_row(src + h * d, 1.0f, buf.data(), d);
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(buf[i]));
+    float scale = amax / 127.0f;
+    scale = scale == 0.0f ? 1.0f : scale;
+    for (int64_t i = 0; i < d; ++i)
+      out[h * d + i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(buf[i] / scale))));
+    scales[slot * kv_heads + h] = scale;
+  }
+}
+
 template <typename T>
 void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
-                        int64_t kv_heads, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+                        int64_t kv_heads, at::Tensor& k_cache, at::Tensor& v_cache, float* k_scale, float* v_scale,
+                        const at::Tensor& slots) {
   const int64_t n = qkv.size(0), d = qkv.size(2), width = qkv.size(1);
   T* x = qkv.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  void* kc = k_cache.data_ptr();
+  void* vc = v_cache.data_ptr();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t grain = std::max<int64_t>(1, 16384 / (width * d));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
@@ -44,18 +70,19 @@ void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
       load_row(sp + t * d, 1.0f, sf.data(), d);
       T* row = x + t * width * d;
       for (int64_t h = 0; h < heads + kv_heads; ++h) rotate(row + h * d, cf.data(), sf.data(), buf.data(), d);
-      const int64_t kv_bytes = kv_heads * d * sizeof(T);
-      std::memcpy(kc + slot[t] * kv_heads * d, row + heads * d, kv_bytes);
-      std::memcpy(vc + slot[t] * kv_heads * d, row + (heads + kv_heads) * d, kv_bytes);
+      store_rows(row + heads * d, kv_heads, d, kc, k_scale, slot[t], buf);
+      store_rows(row + (heads + kv_heads) * d, kv_heads, d, vc, v_scale, slot[t], buf);
     }
   });
 }
 
 // qkv [tokens, heads + 2 * kv_heads, head_dim], rotated in place on its q and k heads; cos / sin
 // [tokens, head_dim] (sin with rotate_half's sign); the rotated k and the v rows are copied to
-// k_cache / v_cache [slots, kv_heads, head_dim] at `slots` [tokens].
+// k_cache / v_cache [slots, kv_heads, head_dim] at `slots` [tokens]: in qkv's dtype, or int8 with
+// k_scale / v_scale [slots, kv_heads] float32.
 void rope_write_kv_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t kv_heads,
-                    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots) {
+                    at::Tensor k_cache, at::Tensor v_cache, const std::optional<at::Tensor>& k_scale,
+                    const std::optional<at::Tensor>& v_scale, const at::Tensor& slots) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous(), "qkv must be a contiguous [tokens, heads, head_dim] tensor");
   TORCH_CHECK(qkv.size(1) == heads + 2 * kv_heads && qkv.size(2) % 2 == 0, "qkv must hold q, k and v heads");
   const int64_t n = qkv.size(0), d = qkv.size(2);
@@ -65,17 +92,29 @@ void rope_write_kv_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin
                   k_cache.size(1) == kv_heads && k_cache.size(2) == d && v_cache.sizes() == k_cache.sizes(),
               "caches must be contiguous [slots, kv_heads, head_dim]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == n && slots.is_contiguous(), "one int64 slot per token");
-  for (const auto& t : {cos, sin, k_cache, v_cache})
-    TORCH_CHECK(t.scalar_type() == qkv.scalar_type(), "qkv, cos, sin and the caches must share a dtype");
+  for (const auto& t : {cos, sin})
+    TORCH_CHECK(t.scalar_type() == qkv.scalar_type(), "qkv, cos and sin must share a dtype");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()), "int8 caches need both scales");
+  TORCH_CHECK(int8 || (k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type()),
+              "the caches must be in qkv's dtype, or int8");
+  if (int8) {
+    TORCH_CHECK(v_cache.scalar_type() == at::kChar, "both caches must be int8");
+    for (const auto* sc : {&*k_scale, &*v_scale})
+      TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->is_contiguous() && sc->numel() == k_cache.size(0) * kv_heads,
+                  "scales must be contiguous float32 [slots, kv_heads]");
+  }
+  float* ks = int8 ? k_scale->data_ptr<float>() : nullptr;
+  float* vs = int8 ? v_scale->data_ptr<float>() : nullptr;
   if (n > 0) {
     const int64_t* sp = slots.data_ptr<int64_t>();
     const int64_t lo = *std::min_element(sp, sp + n), hi = *std::max_element(sp, sp + n);
     TORCH_CHECK(lo >= 0 && hi < k_cache.size(0), "slot out of range");
   }
   if (qkv.scalar_type() == at::kFloat) {
-    rope_write_kv_impl<float>(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots);
+    rope_write_kv_impl<float>(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, ks, vs, slots);
   } else if (qkv.scalar_type() == at::kBFloat16) {
-    rope_write_kv_impl<at::BFloat16>(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots);
+    rope_write_kv_impl<at::BFloat16>(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, ks, vs, slots);
   } else {
     TORCH_CHECK(false, "rope_write_kv_ supports float32 and bfloat16, got ", qkv.scalar_type());
   }
@@ -85,7 +124,7 @@ void rope_write_kv_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin
 
 TORCH_LIBRARY_FRAGMENT(kvyard, m) {
   m.def("rope_write_kv_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(b!) k_cache, "
-        "Tensor(c!) v_cache, Tensor slots) -> ()");
+        "Tensor(c!) v_cache, Tensor(d!)? k_scale, Tensor(e!)? v_scale, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("rope_write_kv_", &rope_write_kv_); }
