@@ -22,7 +22,7 @@ _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 
 
-def enabled_by_env() -> bool:
+def _enabled_by_env() -> bool:
     return os.environ.get("KVYARD_CPU_KERNELS", "1") not in ("0", "false", "no")
 
 
@@ -32,7 +32,7 @@ def available() -> bool:
     if _loaded is None:
         with _lock:
             if _loaded is None:
-                _loaded = enabled_by_env() and _build()
+                _loaded = _enabled_by_env() and _build()
     return _loaded
 
 

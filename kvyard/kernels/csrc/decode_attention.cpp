@@ -6,7 +6,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -65,11 +64,15 @@ void attend_head(const uint16_t* q, const C* k, const C* v, const float* k_scale
   __m512 qv[G][NV];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) qv[g][i] = _mm512_mul_ps(load16(q + g * D + i * 16, 1.0f), vscale);
-  for_each_token(table, len, block_size, k_span, [&](int64_t t, int64_t slot) {
+  // This head's row of a cache at `slot`, as NV vectors of fp32.
+  auto load_slot = [&](const C* cache, const float* scales, int64_t slot, __m512* row) {
     const int64_t at = slot * kv_heads + head;
-    const float s = k_scale ? k_scale[at] : 1.0f;
+    const float s = scales ? scales[at] : 1.0f;
+    for (int i = 0; i < NV; ++i) row[i] = load16(cache + at * D + i * 16, s);
+  };
+  for_each_token(table, len, block_size, k_span, [&](int64_t t, int64_t slot) {
     __m512 kv[NV];
-    for (int i = 0; i < NV; ++i) kv[i] = load16(k + at * D + i * 16, s);
+    load_slot(k, k_scale, slot, kv);
     for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
       for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(qv[g][i], kv[i], acc);
@@ -77,20 +80,13 @@ void attend_head(const uint16_t* q, const C* k, const C* v, const float* k_scale
     }
   });
   float inv_sum[G];
-  for (int g = 0; g < G; ++g) {
-    float* sg = scores + g * len;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < len; ++t) m = sg[t] > m ? sg[t] : m;
-    inv_sum[g] = 1.0f / exp_shifted(sg, len, m);
-  }
+  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_unnormalized(scores + g * len, len);
   __m512 acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
   for_each_token(table, len, block_size, v_span, [&](int64_t t, int64_t slot) {
-    const int64_t at = slot * kv_heads + head;
-    const float s = v_scale ? v_scale[at] : 1.0f;
     __m512 vv[NV];
-    for (int i = 0; i < NV; ++i) vv[i] = load16(v + at * D + i * 16, s);
+    load_slot(v, v_scale, slot, vv);
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(scores[g * len + t]);
       for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(p, vv[i], acc[g][i]);
@@ -179,13 +175,7 @@ void attend_row(const Q* q, const C* k, const C* v, const float* k_scale, const 
     for (int64_t j = 0; j < nq; ++j) scores[j * len + t] = dot(qf + j * d, rows + (j / group) * d, d);
   });
   std::vector<float> inv_sum(nq);
-  for (int64_t j = 0; j < nq; ++j) {
-    float* sj = scores + j * len;
-    float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-    for (int64_t t = 0; t < len; ++t) m = sj[t] > m ? sj[t] : m;
-    inv_sum[j] = 1.0f / exp_shifted(sj, len, m);
-  }
+  for (int64_t j = 0; j < nq; ++j) inv_sum[j] = softmax_unnormalized(scores + j * len, len);
   std::fill(acc, acc + nq * d, 0.0f);
   for_each_token(table, len, block_size, span_of(v), [&](int64_t t, int64_t slot) {
     load_heads(v, v_scale, slot);

@@ -14,9 +14,6 @@ namespace {
 
 using namespace kvyard;
 
-// Rows per parallel task: one thread for a decode's few rows, both for a prefill's hundreds.
-inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1)); }
-
 // x = weight * T(x / rms(x)) over one row, in fp32 with the one rounding HF's LlamaRMSNorm makes.
 template <typename T>
 void normalize(float* __restrict x, const float* __restrict weight, int64_t h, float eps) {
@@ -31,13 +28,12 @@ void normalize(float* __restrict x, const float* __restrict weight, int64_t h, f
 template <typename T>
 void norm_rows(T* x, const T* delta, const T* weight, T* out, int64_t rows, int64_t h, float eps) {
   at::parallel_for(0, rows, row_grain(h), [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(h), wf(h);
+    std::vector<float> xf(h), wf(h), df(delta != nullptr ? h : 0);
     load_row(weight, 1.0f, wf.data(), h);
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * h;
       load_row(xr, 1.0f, xf.data(), h);
       if (delta != nullptr) {  // the residual add, rounded once and written back, as x.add_(delta)
-        std::vector<float> df(h);
         load_row(delta + r * h, 1.0f, df.data(), h);
         for (int64_t i = 0; i < h; ++i) xf[i] = round_as<T>(xf[i] + df[i]);
         store_row(xf.data(), 1.0f, xr, h);

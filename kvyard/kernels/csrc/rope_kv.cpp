@@ -62,8 +62,7 @@ void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
   void* kc = k_cache.data_ptr();
   void* vc = v_cache.data_ptr();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t grain = std::max<int64_t>(1, 16384 / (width * d));
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, row_grain(width * d), [&](int64_t begin, int64_t end) {
     std::vector<float> cf(d), sf(d), buf(2 * d);
     for (int64_t t = begin; t < end; ++t) {
       load_row(cp + t * d, 1.0f, cf.data(), d);

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -85,18 +86,24 @@ inline float fast_exp(float x) {
   return tiny ? 0.0f : e * __builtin_bit_cast(float, bits);
 }
 
-// x[i] = exp(x[i] - shift) for scores whose maximum is `shift`; returns their sum.
-inline float exp_shifted(float* __restrict x, int64_t n, float shift) {
+// Softmax numerator in place: x[i] = exp(x[i] - max(x)); returns 1 / sum, the normaliser to apply later.
+inline float softmax_unnormalized(float* __restrict x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
-    const float e = fast_exp(x[i] - shift);
+    const float e = fast_exp(x[i] - m);
     x[i] = e;
     sum += e;
   }
-  return sum;
+  return 1.0f / sum;
 }
 
+// Rows per parallel task for row-wise kernels: about 32k values each, so a decode's few rows stay on one
+// thread and a prefill's hundreds spread over all.
+inline int64_t row_grain(int64_t row_width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_width, 1)); }
 
 // The value stored as T (bf16: rounded to nearest even), read back as fp32: where PyTorch's bf16 ops
 // round an intermediate, the kernels round it the same way.
