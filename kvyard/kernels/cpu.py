@@ -16,14 +16,14 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "norm_act.cpp", _CSRC / "rope_kv.cpp"]
+_SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "norm_act.cpp", _CSRC / "rope_kv.cpp", _CSRC / "amx_linear.cpp"]
 _HEADERS = [_CSRC / "vec.h"]
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 
 
-def _enabled_by_env() -> bool:
-    return os.environ.get("KVYARD_CPU_KERNELS", "1") not in ("0", "false", "no")
+def _enabled_by_env(name: str) -> bool:
+    return os.environ.get(name, "1") not in ("0", "false", "no")
 
 
 def available() -> bool:
@@ -32,8 +32,14 @@ def available() -> bool:
     if _loaded is None:
         with _lock:
             if _loaded is None:
-                _loaded = _enabled_by_env() and _build()
+                _loaded = _enabled_by_env("KVYARD_CPU_KERNELS") and _build()
     return _loaded
+
+
+def amx_available() -> bool:
+    """True when torch.ops.kvyard.amx_linear runs here: the kernels are loaded, they were compiled for a CPU
+    with AMX, the OS granted the tile state, and KVYARD_AMX is not 0 (which keeps oneDNN's GEMM)."""
+    return available() and _enabled_by_env("KVYARD_AMX") and bool(torch.ops.kvyard.amx_available())
 
 
 # -fopenmp: at::parallel_for is a header template, parallel only when compiled with OpenMP; the extension
@@ -41,7 +47,7 @@ def available() -> bool:
 # selects (exp, silu); results are the same IEEE values. -ffp-contract=off: no a * b + c fused into one
 # rounding where PyTorch rounds the product first.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-ffp-contract=off"]
-_OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_write_kv_")
+_OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_write_kv_", "amx_linear")
 
 
 def _build() -> bool:

@@ -15,45 +15,10 @@ from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.attention import AttentionMetadata, paged_attention
 from kvyard.models.config import ModelConfig
 from kvyard.models.kv_layer import LayerKV
+from kvyard.models.linear import AmxWeight, Weight, linear, pack_weight
 from kvyard.models.rope import RotaryTable, apply_rotary
-from kvyard.quant.qlinear import QuantizedLinear, make_linear
+from kvyard.quant.qlinear import make_linear
 from kvyard.quant.qtensor import QuantizedTensor
-
-# A linear layer's weight: a dense [out, in] matrix (possibly oneDNN-packed, see pack_weight), or a
-# low-bit one with its own kernel.
-Weight = torch.Tensor | QuantizedLinear
-
-_PACK_ROWS_HINT = 32  # the layout oneDNN picks for this many rows also serves 1 and 512 rows well
-
-
-def packable(w: torch.Tensor) -> bool:
-    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and not w.is_mkldnn
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def pack_weight(w: Weight) -> Weight:
-    """A dense bf16 CPU weight reordered once into oneDNN's blocked layout (same values, same results).
-
-    Given a plain matrix, oneDNN reorders it on every call: for a decode step, whose matmuls stream
-    every weight from memory, that costs ~30% at 32 rows; packed, one row also runs as fast as GEMV.
-    """
-    if not isinstance(w, torch.Tensor) or not packable(w):
-        return w
-    return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT)
-
-
-def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
-    if not isinstance(w, torch.Tensor):
-        y = w(x)
-        return y if b is None else y + b
-    if w.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-    # oneDNN's bf16 GEMM on an unpacked weight streams it at about half the speed of GEMV at one row;
-    # a batch-1 decode is pure weight streaming, so it takes the matrix-vector path.
-    if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        y = torch.mv(w, x[0]).unsqueeze(0)
-        return y if b is None else y + b
-    return F.linear(x, w, b)
 
 
 def _fusable(x: torch.Tensor) -> bool:
@@ -188,10 +153,12 @@ class DecoderModel:
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             self.run_layer(x, layer, cache, meta, cos, sin)
         last = rms_norm(x[logits_indices], self.final_norm, eps)
-        # One row: the unpacked head through GEMV. For SmolLM2's 57 MB head (2 threads) GEMV took 1.9 ms
-        # against 3.8 ms for oneDNN's packed layout when both alternated over two copies of the head, and
-        # about the same (4.6-5.2 ms) with the caches flushed before each call; never slower.
-        head = self.lm_head if last.shape[0] == 1 else self._head()
+        # One row without AMX: the unpacked head through GEMV. For SmolLM2's 57 MB head (2 threads) GEMV took
+        # 1.9 ms against 3.8 ms for oneDNN's packed layout when both alternated over two copies of the head,
+        # and about the same (4.6-5.2 ms) with the caches flushed before each call; never slower.
+        head = self._head()
+        if last.shape[0] == 1 and not isinstance(head, AmxWeight):
+            head = self.lm_head
         return linear(last, head).float()
 
     def run_layer(self, x: torch.Tensor, layer: LayerWeights, cache: LayerKV, meta: AttentionMetadata,

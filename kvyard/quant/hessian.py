@@ -7,7 +7,8 @@ gate|up) get one Hessian: their rows share the same input.
 
 import torch
 
-from kvyard.models.decoder import DecoderModel, Weight, linear
+from kvyard.models.decoder import DecoderModel
+from kvyard.models.linear import Weight, linear
 from kvyard.quant.fidelity import batch_logits
 from kvyard.quant.plan import Unit
 

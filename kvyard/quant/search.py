@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from kvyard.models.decoder import DecoderModel, Weight
+from kvyard.models.decoder import DecoderModel
+from kvyard.models.linear import Weight
 from kvyard.quant.fidelity import Fidelity, FidelityMeter
 from kvyard.quant.plan import Unit
 from kvyard.quant.qlinear import make_linear

@@ -8,8 +8,8 @@ import kvyard.models.decoder as decoder
 from kvyard import LLM
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.attention import AttentionMetadata, PrefillSpan, causal_context_mask, paged_attention
-from kvyard.models.decoder import linear, pack_weight
 from kvyard.models.kv_layer import LayerKV
+from kvyard.models.linear import linear, pack_weight
 from kvyard.models.rope import apply_rotary
 
 CPU = torch.device("cpu")

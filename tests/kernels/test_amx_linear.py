@@ -1,0 +1,61 @@
+"""The AMX linear kernel against an fp32 matmul of the same bf16 values, and the weight form chosen at load."""
+
+import pytest
+import torch
+
+from kvyard.kernels import cpu as cpu_kernels
+from kvyard.models.linear import AmxWeight, linear, pack_weight
+
+needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(), reason="this CPU has no AMX")
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values around |x| (8 significant bits)."""
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 45, 300])
+@pytest.mark.parametrize(("out", "inp"), [(16, 32), (48, 96), (96, 64), (80, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rounds_the_exact_product_once(rows, out, inp, bias):
+    """bf16 x bf16 products are exact in fp32, so each output is the fp32 sum rounded once to bf16: at most
+    one bf16 step from the fp64 result (the fp32 accumulation order adds far less)."""
+    g = torch.Generator().manual_seed(rows * 1000 + out + inp)
+    w = torch.randn(out, inp, generator=g).bfloat16()
+    x = torch.randn(rows, inp, generator=g).bfloat16()
+    b = torch.randn(out, generator=g).bfloat16() if bias else None
+    packed = pack_weight(w)
+    assert isinstance(packed, AmxWeight) and packed.shape == (out, inp)
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    got = linear(x, packed, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+    err = (got.double() - exact).abs()
+    assert (err <= _bf16_ulp(exact) + 1e-6 * exact.abs().max()).all(), err.max()
+
+
+@needs_amx
+def test_untileable_shapes_and_opt_out_keep_onednn(monkeypatch):
+    assert pack_weight(torch.randn(96, 80).bfloat16()).is_mkldnn  # 80 is not a multiple of 32
+    assert pack_weight(torch.randn(40, 64).bfloat16()).is_mkldnn  # 40 is not a multiple of 16
+    monkeypatch.setenv("KVYARD_AMX", "0")
+    assert pack_weight(torch.randn(64, 64).bfloat16()).is_mkldnn
+
+
+@needs_amx
+def test_tiles_hold_the_vnni_pairs():
+    w = torch.randn(32, 64).bfloat16()
+    tiles = AmxWeight.tile(w).tiles
+    nb, kb, p, n, j = 1, 1, 5, 3, 1
+    assert tiles[nb, kb, p, 2 * n + j] == w[nb * 16 + n, kb * 32 + 2 * p + j]
+
+
+@needs_amx
+def test_bad_inputs_raise():
+    packed = AmxWeight.tile(torch.randn(32, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="columns"):
+        packed(torch.randn(2, 32).bfloat16())
+    with pytest.raises(RuntimeError, match="bf16"):
+        packed(torch.randn(2, 64))
+    with pytest.raises(RuntimeError, match="bias"):
+        packed(torch.randn(2, 64).bfloat16(), torch.randn(31).bfloat16())
