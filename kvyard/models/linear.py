@@ -2,7 +2,8 @@
 
 A dense bf16 weight is held in one of two pre-arranged forms, so that no matmul rearranges it per call:
 - `AmxWeight`, tiled for kvyard's AMX kernel (csrc/amx_linear.cpp), where the CPU has AMX: a decode
-  step's few rows then stream each weight at close to memory speed, at a few microseconds per call;
+  step's few rows then stream each weight at close to memory speed, at a few microseconds per call
+  (prefill-sized calls take the oneDNN copy it also keeps);
 - oneDNN's blocked layout otherwise (torch.ops.mkldnn).
 Low-bit weights (QuantizedLinear) carry their own kernels; fp32 and GPU weights stay plain.
 """
@@ -15,32 +16,40 @@ import torch.nn.functional as F
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.quant.qlinear import QuantizedLinear
 
-_TILE_COLS, _TILE_K = 16, 32  # one AMX B tile: 16 output columns x 32 input values
+_BLOCK_COLS, _TILE_K = 32, 32  # output columns per packed block; input values per AMX tile row
 _PACK_ROWS_HINT = 32  # the layout oneDNN picks for this many rows also serves 1 and 512 rows well
+AMX_MAX_ROWS = 512  # up to here the AMX loop is at least as fast as oneDNN (0.9x of its time at 512 rows)
 
 
 @dataclass(frozen=True)
 class AmxWeight:
-    """A bf16 [out, in] weight as AMX B tiles: [out/16, in/32, 16, 32], each 32-value k slice of 16 columns
-    one contiguous 1 KB tile with the k pairs interleaved (the order TDPBF16PS reads)."""
+    """A bf16 [out, in] weight in VNNI blocks, [out/32, in/2, 32, 2]: for each 32 output columns, the input
+    values in pairs, column by column -- the order AMX's TDPBF16PS reads.
+
+    `onednn` keeps oneDNN's packed copy for prefill-sized calls: above AMX_MAX_ROWS rows the matmul is
+    compute-bound and oneDNN's GEMM beats the AMX loop (1.35x faster over SmolLM2's four layer shapes at
+    2,048 rows, alternating microbenchmark), at the cost of a second copy of the dense weights.
+    """
 
     tiles: torch.Tensor
+    onednn: torch.Tensor | None = None
 
     @classmethod
     def fits(cls, w: torch.Tensor) -> bool:
-        return w.dim() == 2 and w.shape[0] % _TILE_COLS == 0 and w.shape[1] % _TILE_K == 0
+        return w.dim() == 2 and w.shape[0] % _BLOCK_COLS == 0 and w.shape[1] % _TILE_K == 0
 
     @classmethod
-    def tile(cls, w: torch.Tensor) -> "AmxWeight":
+    def tile(cls, w: torch.Tensor, onednn: torch.Tensor | None = None) -> "AmxWeight":
         n, k = w.shape
-        pairs = w.reshape(n // _TILE_COLS, _TILE_COLS, k // _TILE_K, _TILE_K // 2, 2)
-        return cls(pairs.permute(0, 2, 3, 1, 4).reshape(n // _TILE_COLS, k // _TILE_K, _TILE_K // 2, _TILE_K).contiguous())
+        return cls(w.reshape(n // _BLOCK_COLS, _BLOCK_COLS, k // 2, 2).permute(0, 2, 1, 3).contiguous(), onednn)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.tiles.shape[0] * _TILE_COLS, self.tiles.shape[1] * _TILE_K
+        return self.tiles.shape[0] * _BLOCK_COLS, self.tiles.shape[1] * 2
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.onednn is not None and x.shape[0] > AMX_MAX_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
         return torch.ops.kvyard.amx_linear(x, self.tiles, bias)
 
 
@@ -62,9 +71,10 @@ def pack_weight(w: Weight) -> Weight:
     """
     if not isinstance(w, torch.Tensor) or not packable(w):
         return w
+    onednn = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT)
     if AmxWeight.fits(w) and cpu_kernels.amx_available():
-        return AmxWeight.tile(w)
-    return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT)
+        return AmxWeight.tile(w, onednn)
+    return onednn
 
 
 def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,8 +15,8 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 45, 300])
-@pytest.mark.parametrize(("out", "inp"), [(16, 32), (48, 96), (96, 64), (80, 1536)])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 45, 300, 2100])
+@pytest.mark.parametrize(("out", "inp"), [(32, 32), (64, 96), (96, 64), (96, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_rounds_the_exact_product_once(rows, out, inp, bias):
     """bf16 x bf16 products are exact in fp32, so each output is the fp32 sum rounded once to bf16: at most
@@ -37,17 +37,17 @@ def test_rounds_the_exact_product_once(rows, out, inp, bias):
 @needs_amx
 def test_untileable_shapes_and_opt_out_keep_onednn(monkeypatch):
     assert pack_weight(torch.randn(96, 80).bfloat16()).is_mkldnn  # 80 is not a multiple of 32
-    assert pack_weight(torch.randn(40, 64).bfloat16()).is_mkldnn  # 40 is not a multiple of 16
+    assert pack_weight(torch.randn(48, 64).bfloat16()).is_mkldnn  # 48 is not a multiple of 32
     monkeypatch.setenv("KVYARD_AMX", "0")
     assert pack_weight(torch.randn(64, 64).bfloat16()).is_mkldnn
 
 
 @needs_amx
-def test_tiles_hold_the_vnni_pairs():
-    w = torch.randn(32, 64).bfloat16()
+def test_blocks_hold_the_vnni_pairs():
+    w = torch.randn(64, 96).bfloat16()
     tiles = AmxWeight.tile(w).tiles
-    nb, kb, p, n, j = 1, 1, 5, 3, 1
-    assert tiles[nb, kb, p, 2 * n + j] == w[nb * 16 + n, kb * 32 + 2 * p + j]
+    for nb, p, n, j in [(0, 0, 0, 0), (1, 37, 5, 1), (1, 47, 31, 1)]:
+        assert tiles[nb, p, n, j] == w[nb * 32 + n, 2 * p + j]
 
 
 @needs_amx

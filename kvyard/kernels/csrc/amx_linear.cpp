@@ -2,15 +2,19 @@
 //
 // A decode step's matmuls have few rows (1 to ~64) and stream every weight from memory once. oneDNN's
 // GEMM spends ~20 us per call before any work and, at 32 rows, runs at a third of what the tiles can do
-// even with the weight in cache. Here the weight is pre-tiled (see kvyard/models/amx.py) so that each
-// 16-column x 32-k block is one contiguous 1 KB tile load, and a call is a plain loop over those tiles.
+// even with the weight in cache. Here the weight is pre-arranged once (see kvyard/models/linear.py) and a
+// call is a plain loop of tile loads and TDPBF16PS over it. Prefill chunks (hundreds of rows) take the
+// same loop, blocked so that activations and weights stay in L2: one copy of the weight serves both.
 //
-// Packed layout, [N/16, K/32, 16, 32] bf16: tile (nb, kb) row p holds, for the 16 output columns n of
-// block nb, the pair W[n, kb*32 + 2p], W[n, kb*32 + 2p + 1] -- the VNNI order TDPBF16PS reads.
+// Layout, [N/32, K/2, 32, 2] bf16: for each block of 32 output columns, row p holds the pair W[n, 2p],
+// W[n, 2p + 1] of each column n in turn -- the VNNI order TDPBF16PS reads. A 16-column x
+// 32-k B tile is 16 such rows, half of each (a 128-byte stride).
 #include <ATen/Parallel.h>
 #include <sys/syscall.h>
 #include <torch/library.h>
 #include <unistd.h>
+
+#include <vector>
 
 #include "vec.h"
 
@@ -21,8 +25,8 @@ using namespace kvyard;
 constexpr int64_t kTileRows = 16;   // rows of A (and C) per tile
 constexpr int64_t kTileK = 32;      // bf16 values of K per tile row: 64 bytes
 constexpr int64_t kTileCols = 16;   // output columns per B tile
-constexpr int64_t kTileElems = 512; // bf16 values per packed B tile
-constexpr int64_t kColsPerChunk = 256;  // output columns whose weights stay in L2 while every row block passes
+constexpr int64_t kBlockCols = 32;  // output columns per packed block: two B tiles
+constexpr int64_t kPanelBytes = 256 * 1024;  // activation rows per pass over the weights: about this many bytes
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 
@@ -65,82 +69,84 @@ void configure_tiles(int rows0, int rows1) {
   _tile_loadconfig(&cfg);
 }
 
-// C[32 x 32] (fp32, row stride 32) = A[rows x K] . B for one or two row blocks and one or two column blocks.
-template <bool kTwoRowBlocks, bool kTwoColBlocks>
-void tile_kernel(const uint16_t* a, int64_t a_stride_bytes, const uint16_t* b0, const uint16_t* b1,
-                 int64_t k_blocks, float* c) {
+// C[32 x 32] (fp32, row stride 32) = A[rows x K] . B for one or two 16-row blocks and one packed block of
+// 32 columns (two B tiles, 128 bytes apart within each row).
+template <bool kTwoRowBlocks>
+void tile_kernel(const uint16_t* a, int64_t a_stride_bytes, const uint16_t* b, int64_t k_blocks, float* c) {
+  constexpr int64_t kBStride = kBlockCols * 2 * sizeof(uint16_t);
+  constexpr int64_t kBTileElems = kTileK / 2 * kBlockCols * 2;  // one k block of the 32-column block
   _tile_zero(0);
-  if (kTwoColBlocks) _tile_zero(1);
-  if (kTwoRowBlocks) _tile_zero(2);
-  if (kTwoRowBlocks && kTwoColBlocks) _tile_zero(3);
+  _tile_zero(1);
+  if (kTwoRowBlocks) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   const uint16_t* a1 = a + kTileRows * a_stride_bytes / 2;
   for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    const uint16_t* bk = b + kb * kBTileElems;
     _tile_loadd(4, a + kb * kTileK, a_stride_bytes);
-    _tile_loadd(6, b0 + kb * kTileElems, 64);
+    _tile_loadd(6, bk, kBStride);
+    _tile_loadd(7, bk + 2 * kTileCols, kBStride);
     _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
     if (kTwoRowBlocks) {
       _tile_loadd(5, a1 + kb * kTileK, a_stride_bytes);
       _tile_dpbf16ps(2, 5, 6);
-    }
-    if (kTwoColBlocks) {
-      _tile_loadd(7, b1 + kb * kTileElems, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      if (kTwoRowBlocks) _tile_dpbf16ps(3, 5, 7);
+      _tile_dpbf16ps(3, 5, 7);
     }
   }
-  constexpr int64_t kStride = 2 * kTileCols * sizeof(float);
+  constexpr int64_t kStride = kBlockCols * sizeof(float);
   _tile_stored(0, c, kStride);
-  if (kTwoColBlocks) _tile_stored(1, c + kTileCols, kStride);
-  if (kTwoRowBlocks) _tile_stored(2, c + kTileRows * 2 * kTileCols, kStride);
-  if (kTwoRowBlocks && kTwoColBlocks) _tile_stored(3, c + kTileRows * 2 * kTileCols + kTileCols, kStride);
+  _tile_stored(1, c + kTileCols, kStride);
+  if (kTwoRowBlocks) {
+    _tile_stored(2, c + kTileRows * kBlockCols, kStride);
+    _tile_stored(3, c + kTileRows * kBlockCols + kTileCols, kStride);
+  }
 }
 
-using TileKernel = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, int64_t, float*);
-
-// out[rows x cols] (bf16, row stride n) = c + bias, rounded once as oneDNN rounds its fp32 result.
-void write_out(const float* c, const uint16_t* bias, uint16_t* out, int64_t n, int64_t rows, int64_t cols) {
+// out[rows x 32] (bf16, row stride n) = c + bias, rounded once as oneDNN rounds its fp32 result.
+void write_out(const float* c, const uint16_t* bias, uint16_t* out, int64_t n, int64_t rows) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float* cr = c + r * 2 * kTileCols;
+    const float* cr = c + r * kBlockCols;
     uint16_t* o = out + r * n;
     if (bias != nullptr) {
 #pragma omp simd
-      for (int64_t j = 0; j < cols; ++j) o[j] = float_to_bf16(cr[j] + bf16_to_float(bias[j]));
+      for (int64_t j = 0; j < kBlockCols; ++j) o[j] = float_to_bf16(cr[j] + bf16_to_float(bias[j]));
     } else {
 #pragma omp simd
-      for (int64_t j = 0; j < cols; ++j) o[j] = float_to_bf16(cr[j]);
+      for (int64_t j = 0; j < kBlockCols; ++j) o[j] = float_to_bf16(cr[j]);
     }
   }
 }
 
-void amx_matmul(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t m,
-                int64_t n, int64_t k) {
-  const int64_t k_blocks = k / kTileK, col_blocks = n / kTileCols;
-  const int64_t pairs = (col_blocks + 1) / 2;
-  const int64_t pairs_per_chunk = kColsPerChunk / (2 * kTileCols);
-  // Split the columns between threads: each reads its share of the weight once per row block.
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float c[2 * kTileRows * 2 * kTileCols];
-    int configured_rows = -1;
-    for (int64_t chunk = begin; chunk < end; chunk += pairs_per_chunk) {
-      const int64_t chunk_end = std::min(end, chunk + pairs_per_chunk);
-      for (int64_t m0 = 0; m0 < m; m0 += 2 * kTileRows) {
-        const int64_t rows = std::min<int64_t>(2 * kTileRows, m - m0);
-        if (rows != configured_rows) {
-          configure_tiles(static_cast<int>(std::min(rows, kTileRows)), static_cast<int>(std::max<int64_t>(rows - kTileRows, 0)));
-          configured_rows = static_cast<int>(rows);
-        }
-        const bool two_rows = rows > kTileRows;
-        for (int64_t p = chunk; p < chunk_end; ++p) {
-          const int64_t nb = 2 * p;
-          const bool two_cols = nb + 1 < col_blocks;
-          const uint16_t* b0 = w + nb * k_blocks * kTileElems;
-          const uint16_t* b1 = b0 + k_blocks * kTileElems;
-          const TileKernel kernel = two_rows ? (two_cols ? tile_kernel<true, true> : tile_kernel<true, false>)
-                                             : (two_cols ? tile_kernel<false, true> : tile_kernel<false, false>);
-          kernel(x + m0 * k, k * 2, b0, b1, k_blocks, c);
-          const int64_t n0 = nb * kTileCols;
-          write_out(c, bias != nullptr ? bias + n0 : nullptr, out + m0 * n + n0, n, rows,
-                    (two_cols ? 2 : 1) * kTileCols);
+// Each thread takes a share of the column blocks. Rows go in panels whose activations stay in L2 while the
+// thread's weights stream past once per panel; each 32-column block (36-100 KB) stays in L1 while the
+// panel's 32-row blocks pass. A decode step (one panel, one row block) thus reads each weight once.
+void amx_matmul(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t m, int64_t n,
+                int64_t k) {
+  const int64_t k_blocks = k / kTileK, col_blocks = n / kBlockCols;
+  const int64_t panel_rows = std::clamp<int64_t>(kPanelBytes / (k * 2) / 32 * 32, 32, 1024);
+  at::parallel_for(0, col_blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[2 * kTileRows * kBlockCols];
+    int64_t configured_rows = -1;
+    for (int64_t panel = 0; panel < m; panel += panel_rows) {
+      const int64_t panel_end = std::min(m, panel + panel_rows);
+      for (int64_t nb = begin; nb < end; ++nb) {
+        const uint16_t* b = w + nb * k * kBlockCols;
+        const int64_t n0 = nb * kBlockCols;
+        for (int64_t m0 = panel; m0 < panel_end; m0 += 2 * kTileRows) {
+          const int64_t rows = std::min<int64_t>(2 * kTileRows, panel_end - m0);
+          if (rows != configured_rows) {
+            configure_tiles(static_cast<int>(std::min(rows, kTileRows)),
+                            static_cast<int>(std::max<int64_t>(rows - kTileRows, 0)));
+            configured_rows = rows;
+          }
+          if (rows > kTileRows) {
+            tile_kernel<true>(x + m0 * k, k * 2, b, k_blocks, c);
+          } else {
+            tile_kernel<false>(x + m0 * k, k * 2, b, k_blocks, c);
+          }
+          write_out(c, bias != nullptr ? bias + n0 : nullptr, out + m0 * n + n0, n, rows);
         }
       }
     }
@@ -162,9 +168,9 @@ bool amx_available() { return amx_ready(); }
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be a bf16 [rows, in] matrix");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(2) == kTileRows && packed.size(3) == kTileK,
-              "packed must be a contiguous bf16 [out/16, in/32, 16, 32] tiling");
-  const int64_t m = x.size(0), n = packed.size(0) * kTileCols, k = packed.size(1) * kTileK;
+                  packed.size(1) % (kTileK / 2) == 0 && packed.size(2) == kBlockCols && packed.size(3) == 2,
+              "packed must be a contiguous bf16 [out/32, in/2, 32, 2] VNNI layout (in a multiple of 32)");
+  const int64_t m = x.size(0), n = packed.size(0) * kBlockCols, k = packed.size(1) * 2;
   TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns, the weight takes ", k);
   if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kBFloat16 &&
                             bias->is_contiguous(), "bias must be a contiguous bf16 [out] vector");
