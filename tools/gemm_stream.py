@@ -1,41 +1,75 @@
-"""How fast SmolLM2's 121 decode matmuls stream their bf16 weights: oneDNN's packed GEMM against kvyard's AMX
-tiles, alternating round by round over the same weights and inputs.
+"""How fast SmolLM2's decode matmuls stream their weights, each weight form alternating round by round
+over the same matrices and inputs (distinct weights per layer, so nothing stays in cache between layers).
 
-usage: python tools/gemm_stream.py   (distinct weights per layer, so nothing stays in cache between layers)
+usage: python tools/gemm_stream.py            bf16: oneDNN's packed GEMM against kvyard's AMX blocks, the
+                                              121 matmuls of a step (30 layers and the LM head)
+       python tools/gemm_stream.py --lowbit   the 120 layer matmuls: bf16, int8 and int4-g128 on kvyard's
+                                              AMX kernels, int8 on PyTorch's kernel
+       python tools/gemm_stream.py --hot      bf16, one layer of each shape (weights hot in cache), 32 to
+                                              2,048 rows: where oneDNN's GEMM overtakes the AMX loop
 """
 import statistics
+import sys
 import time
+from collections.abc import Callable
 
 import torch
 
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.linear import AmxWeight, linear
+from kvyard.quant.qlinear import AmxLowBitLinear, Int8Linear
+from kvyard.quant.qtensor import QuantizedTensor
+from kvyard.quant.scheme import parse_weight_scheme
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 HEAD = (49152, 576)
+Matmul = Callable[[torch.Tensor], torch.Tensor]
+
+
+def onednn(d: torch.Tensor) -> Matmul:
+    packed = torch.ops.mkldnn._reorder_linear_weight(d.bfloat16(), 32)
+    return lambda x: linear(x, packed)
+
+
+def bf16_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
+    forms: dict[str, list[Matmul]] = {"onednn": [onednn(d) for d in dense]}
+    if cpu_kernels.amx_available():
+        forms["amx"] = [AmxWeight.tile(d.bfloat16()) for d in dense]
+    return forms
+
+
+def lowbit_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
+    def quantized(d: torch.Tensor, scheme: str) -> QuantizedTensor:
+        return QuantizedTensor.quantize(d, parse_weight_scheme(scheme))
+
+    forms: dict[str, list[Matmul]] = {"int8 torch": [Int8Linear(quantized(d, "int8"), torch.bfloat16, torch.device("cpu"))
+                                                     for d in dense]}
+    if cpu_kernels.amx_available():
+        forms["bf16 amx"] = [AmxWeight.tile(d.bfloat16()) for d in dense]
+        forms["int8 amx"] = [AmxLowBitLinear(quantized(d, "int8")) for d in dense]
+        forms["int4-g128 amx"] = [AmxLowBitLinear(quantized(d, "int4-g128")) for d in dense]
+    return forms
 
 
 def main() -> None:
     torch.set_num_threads(2)
-    dense = [[torch.randn(o, i, dtype=torch.bfloat16) for o, i in SHAPES] for _ in range(30)]
-    dense.append([torch.randn(*HEAD, dtype=torch.bfloat16)])
-    forms = {"onednn": [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in dense]}
-    if cpu_kernels.amx_available():
-        forms["amx"] = [[AmxWeight.tile(w) for w in layer] for layer in dense]
-    nbytes = sum(w.numel() * 2 for layer in dense for w in layer)
-    for rows in (1, 16, 32, 64):
+    lowbit, hot = "--lowbit" in sys.argv, "--hot" in sys.argv
+    shapes = SHAPES if hot else SHAPES * 30 + ([] if lowbit else [HEAD])
+    dense = [torch.randn(o, i) for o, i in shapes]
+    forms = lowbit_forms(dense) if lowbit else bf16_forms(dense)
+    bf16_bytes = sum(d.numel() * 2 for d in dense)
+    for rows in (32, 64, 128, 512, 2048) if hot else (1, 32) if lowbit else (1, 16, 32, 64):
         xs = {i: torch.randn(rows, i, dtype=torch.bfloat16) for i in (576, 1536)}
         times: dict[str, list[float]] = {name: [] for name in forms}
         for _ in range(7):
-            for name, layers in forms.items():
+            for name, matmuls in forms.items():
                 start = time.perf_counter()
-                for layer, src in zip(layers, dense, strict=True):
-                    for w, d in zip(layer, src, strict=True):
-                        linear(xs[d.shape[1]], w)
+                for f, d in zip(matmuls, dense, strict=True):
+                    f(xs[d.shape[1]])
                 times[name].append(time.perf_counter() - start)
-        cells = [f"{name} {statistics.median(t) * 1e3:.2f} ms ({nbytes / statistics.median(t) / 1e9:.1f} GB/s)"
+        cells = [f"{name} {statistics.median(t) * 1e3:.2f} ms ({bf16_bytes / statistics.median(t) / 1e9:.1f} GB/s of bf16)"
                  for name, t in times.items()]
-        print(f"{rows} rows, 121 matmuls: " + ", ".join(cells))
+        print(f"{rows} rows, {len(dense)} matmuls: " + ", ".join(cells))
 
 
 if __name__ == "__main__":

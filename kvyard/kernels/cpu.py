@@ -16,8 +16,9 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "norm_act.cpp", _CSRC / "rope_kv.cpp", _CSRC / "amx_linear.cpp"]
-_HEADERS = [_CSRC / "vec.h"]
+_SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "norm_act.cpp", _CSRC / "rope_kv.cpp", _CSRC / "amx_linear.cpp",
+            _CSRC / "amx_lowbit.cpp"]
+_HEADERS = [_CSRC / "vec.h", _CSRC / "amx.h"]
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 
@@ -47,7 +48,8 @@ def amx_available() -> bool:
 # selects (exp, silu); results are the same IEEE values. -ffp-contract=off: no a * b + c fused into one
 # rounding where PyTorch rounds the product first.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-ffp-contract=off"]
-_OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_write_kv_", "amx_linear")
+_OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_write_kv_", "amx_linear",
+        "amx_linear_lowbit")
 
 
 def _build() -> bool:

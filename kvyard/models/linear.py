@@ -47,6 +47,11 @@ class AmxWeight:
     def shape(self) -> tuple[int, int]:
         return self.tiles.shape[0] * _BLOCK_COLS, self.tiles.shape[1] * 2
 
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes: the blocks and, where kept, oneDNN's copy."""
+        return self.tiles.nbytes + (0 if self.onednn is None else self.onednn.nbytes)
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.onednn is not None and x.shape[0] > AMX_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
@@ -66,8 +71,8 @@ def pack_weight(w: Weight) -> Weight:
     """A dense bf16 CPU weight rearranged once for its kernel (same values; results equal within rounding).
 
     Given a plain matrix, oneDNN reorders it on every call: for a decode step, whose matmuls stream every
-    weight from memory, that costs ~30% at 32 rows. AMX tiles beat oneDNN's packed GEMM by 1.6x over
-    SmolLM2's 121 decode matmuls at 32 rows and 1.6x at one row (python tools/gemm_stream.py).
+    weight from memory, that costs ~30% at 32 rows. The AMX kernel beats oneDNN's packed GEMM by ~1.4x over
+    SmolLM2's 121 decode matmuls at 32 rows and ~1.5x at one row (python tools/gemm_stream.py).
     """
     if not isinstance(w, torch.Tensor) or not packable(w):
         return w

@@ -1,4 +1,4 @@
-"""Low-bit linear layers that run on PyTorch's own int8 and int4 CPU kernels.
+"""Low-bit linear layers: kvyard's AMX kernel where the CPU has AMX, else PyTorch's own int8/int4 CPU kernels.
 
 A batch-1 decode step streams every weight from memory once, so it runs at the speed of the bytes read:
 int8 halves them and int4 quarters them, and the kernels below read them without dequantizing.
@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvyard.kernels import cpu as cpu_kernels
 from kvyard.quant.qtensor import QuantizedTensor
 
 # Above this many rows, dequantize-then-GEMM beats the low-bit kernels on this CPU
@@ -111,5 +112,60 @@ class Int4Linear(_PaddedInput):
         return self.packed.nbytes + self.scale_zero.nbytes
 
 
+class AmxLowBitLinear:
+    """int8 (per channel) or int4 (per group) weight for kvyard's AMX kernel (csrc/amx_lowbit.cpp): q in
+    VNNI blocks of 32 output columns (int4: q + 8, two per byte), scales and zero terms as [groups, N] fp32.
+    y = sum over groups of scale * (x . q) + zero * sum(x): the exact fp32 result, no rounded weight."""
+
+    _BLOCK = 32
+
+    def __init__(self, qt: QuantizedTensor):
+        self.out_features, self.in_features = n, k = qt.shape
+        self.bits, self.group_size = qt.scheme.bits, qt.group_size
+        blocks = qt.q.reshape(n // self._BLOCK, self._BLOCK, k // 2, 2).permute(0, 2, 1, 3)
+        if self.bits == 8:
+            self.q = blocks.contiguous()
+        else:
+            rows = (blocks + 8).to(torch.uint8).reshape(n // self._BLOCK, k // 2, 2 * self._BLOCK)
+            self.q = (rows[..., : self._BLOCK] | (rows[..., self._BLOCK :] << 4)).contiguous()
+        self.scale = qt.scale.t().contiguous()
+        # w = (q - zp) * scale = q * scale + zero, zero = -zp * scale
+        self.zero = None if qt.zero_point is None else (-qt.zero_point.float() * qt.scale).t().contiguous()
+
+    @classmethod
+    def fits(cls, qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> bool:
+        n, k = qt.shape
+        return (dtype == torch.bfloat16 and device.type == "cpu" and n % cls._BLOCK == 0 and k % 32 == 0
+                and qt.group_size % 32 == 0 and cpu_kernels.amx_available())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= KERNEL_MAX_ROWS and x.dtype == torch.bfloat16:
+            return torch.ops.kvyard.amx_linear_lowbit(x, self.q, self.scale, self.zero, self.bits, self.group_size)
+        return F.linear(x, self.dequantize(x.dtype))
+
+    def _values(self) -> torch.Tensor:
+        """q as float32 [N, K], back from the blocked layout."""
+        n, k = self.out_features, self.in_features
+        if self.bits == 8:
+            blocks = self.q.float()
+        else:
+            rows = torch.cat([self.q & 0xF, self.q >> 4], dim=-1).float() - 8
+            blocks = rows.view(n // self._BLOCK, k // 2, self._BLOCK, 2)
+        return blocks.permute(0, 2, 1, 3).reshape(n, k)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        k = self.in_features
+        w = self._values() * self.scale.t().repeat_interleave(self.group_size, dim=1)[:, :k]
+        if self.zero is not None:
+            w = w + self.zero.t().repeat_interleave(self.group_size, dim=1)[:, :k]
+        return w.to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes + (0 if self.zero is None else self.zero.nbytes)
+
+
 def make_linear(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> QuantizedLinear:
+    if AmxLowBitLinear.fits(qt, dtype, device):
+        return AmxLowBitLinear(qt)
     return Int8Linear(qt, dtype, device) if qt.scheme.bits == 8 else Int4Linear(qt, dtype, device)

@@ -27,11 +27,13 @@ def test_rounds_the_exact_product_once(rows, out, inp, bias):
     b = torch.randn(out, generator=g).bfloat16() if bias else None
     packed = pack_weight(w)
     assert isinstance(packed, AmxWeight) and packed.shape == (out, inp)
+    assert packed.nbytes == 2 * w.nbytes  # the blocks and oneDNN's copy for prefill-sized calls
     exact = x.double() @ w.double().T + (b.double() if bias else 0)
-    got = linear(x, packed, b)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
-    err = (got.double() - exact).abs()
-    assert (err <= _bf16_ulp(exact) + 1e-6 * exact.abs().max()).all(), err.max()
+    for weight in (packed, AmxWeight.tile(w)):  # the second runs the AMX loop at every row count
+        got = linear(x, weight, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+        err = (got.double() - exact).abs()
+        assert (err <= _bf16_ulp(exact) + 1e-6 * exact.abs().max()).all(), err.max()
 
 
 @needs_amx

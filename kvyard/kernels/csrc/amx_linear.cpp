@@ -6,103 +6,21 @@
 // call is a plain loop of tile loads and TDPBF16PS over it. Prefill chunks (hundreds of rows) take the
 // same loop, blocked so that activations and weights stay in L2: one copy of the weight serves both.
 //
-// Layout, [N/32, K/2, 32, 2] bf16: for each block of 32 output columns, row p holds the pair W[n, 2p],
-// W[n, 2p + 1] of each column n in turn -- the VNNI order TDPBF16PS reads. A 16-column x
-// 32-k B tile is 16 such rows, half of each (a 128-byte stride).
+// The weight layout is amx.h's VNNI blocks.
 #include <ATen/Parallel.h>
-#include <sys/syscall.h>
 #include <torch/library.h>
-#include <unistd.h>
 
-#include <vector>
-
+#include "amx.h"
 #include "vec.h"
 
 namespace {
 
 using namespace kvyard;
+using namespace kvyard::amx;
 
-constexpr int64_t kTileRows = 16;   // rows of A (and C) per tile
-constexpr int64_t kTileK = 32;      // bf16 values of K per tile row: 64 bytes
-constexpr int64_t kTileCols = 16;   // output columns per B tile
-constexpr int64_t kBlockCols = 32;  // output columns per packed block: two B tiles
 constexpr int64_t kPanelBytes = 256 * 1024;  // activation rows per pass over the weights: about this many bytes
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-
-// Linux grants a process AMX's 8 KB of tile state only when asked (arch_prctl), once per process.
-bool request_amx() {
-  constexpr int kArchReqXcompPerm = 0x1023;
-  constexpr int kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-bool amx_ready() {
-  static const bool ok = request_amx();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3 accumulate C (row block i, column block j at 2i + j), 4-5 hold A's two row blocks, 6-7 B's two
-// column blocks. rows1 is 0 when the call has at most 16 rows left.
-void configure_tiles(int rows0, int rows1) {
-  TileConfig cfg;
-  auto set = [&cfg](int tile, int rows, int colsb) {
-    cfg.rows[tile] = static_cast<uint8_t>(rows);
-    cfg.colsb[tile] = static_cast<uint16_t>(rows > 0 ? colsb : 0);
-  };
-  set(0, rows0, 64);
-  set(1, rows0, 64);
-  set(2, rows1, 64);
-  set(3, rows1, 64);
-  set(4, rows0, 64);
-  set(5, rows1, 64);
-  set(6, 16, 64);
-  set(7, 16, 64);
-  _tile_loadconfig(&cfg);
-}
-
-// C[32 x 32] (fp32, row stride 32) = A[rows x K] . B for one or two 16-row blocks and one packed block of
-// 32 columns (two B tiles, 128 bytes apart within each row).
-template <bool kTwoRowBlocks>
-void tile_kernel(const uint16_t* a, int64_t a_stride_bytes, const uint16_t* b, int64_t k_blocks, float* c) {
-  constexpr int64_t kBStride = kBlockCols * 2 * sizeof(uint16_t);
-  constexpr int64_t kBTileElems = kTileK / 2 * kBlockCols * 2;  // one k block of the 32-column block
-  _tile_zero(0);
-  _tile_zero(1);
-  if (kTwoRowBlocks) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  const uint16_t* a1 = a + kTileRows * a_stride_bytes / 2;
-  for (int64_t kb = 0; kb < k_blocks; ++kb) {
-    const uint16_t* bk = b + kb * kBTileElems;
-    _tile_loadd(4, a + kb * kTileK, a_stride_bytes);
-    _tile_loadd(6, bk, kBStride);
-    _tile_loadd(7, bk + 2 * kTileCols, kBStride);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (kTwoRowBlocks) {
-      _tile_loadd(5, a1 + kb * kTileK, a_stride_bytes);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  constexpr int64_t kStride = kBlockCols * sizeof(float);
-  _tile_stored(0, c, kStride);
-  _tile_stored(1, c + kTileCols, kStride);
-  if (kTwoRowBlocks) {
-    _tile_stored(2, c + kTileRows * kBlockCols, kStride);
-    _tile_stored(3, c + kTileRows * kBlockCols + kTileCols, kStride);
-  }
-}
+#ifdef KVYARD_HAS_AMX
 
 // out[rows x 32] (bf16, row stride n) = c + bias, rounded once as oneDNN rounds its fp32 result.
 void write_out(const float* c, const uint16_t* bias, uint16_t* out, int64_t n, int64_t rows) {
@@ -136,11 +54,7 @@ void amx_matmul(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint
         const int64_t n0 = nb * kBlockCols;
         for (int64_t m0 = panel; m0 < panel_end; m0 += 2 * kTileRows) {
           const int64_t rows = std::min<int64_t>(2 * kTileRows, panel_end - m0);
-          if (rows != configured_rows) {
-            configure_tiles(static_cast<int>(std::min(rows, kTileRows)),
-                            static_cast<int>(std::max<int64_t>(rows - kTileRows, 0)));
-            configured_rows = rows;
-          }
+          configure_for(rows, configured_rows);
           if (rows > kTileRows) {
             tile_kernel<true>(x + m0 * k, k * 2, b, k_blocks, c);
           } else {

@@ -1,0 +1,203 @@
+// Weight-only int8 and int4 linear layers on AMX tiles, registered as torch.ops.kvyard.amx_linear_lowbit.
+//
+// Low-bit weights pay off where a step streams every weight once, as a batch-1 decode does: int8 halves
+// the bytes read and int4 quarters them. Each k chunk of a 32-column block is widened to bf16 in a small
+// buffer (exactly: these integers are bf16 values) and multiplied on the tiles; the scales (one per column
+// and group) and zero points are applied to each group's fp32 sum. The result is the fp32 sum of
+// x * (q - zp) * scale with no rounded weight in between, which is what PyTorch's own int8/int4 CPU
+// kernels compute.
+//
+// Layouts (built by kvyard/quant/qlinear.py): int8 q in amx.h's VNNI blocks, [N/32, K/2, 32, 2] int8;
+// int4 q + 8 in the same order, two per byte, [N/32, K/2, 32] uint8: byte i of a 64-value VNNI row holds
+// value i in its low nibble and value i + 32 in its high one. Scales and zero terms are [groups, N] fp32.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "amx.h"
+#include "vec.h"
+
+namespace {
+
+using namespace kvyard;
+using namespace kvyard::amx;
+
+constexpr int64_t kWidenBlocks = 8;  // k blocks widened per pass: 16 KB of bf16, which stays in L1
+
+int64_t num_groups(int64_t k, int64_t group) { return (k + group - 1) / group; }  // the last may be short
+
+#ifdef KVYARD_HAS_AMX
+
+// `k_blocks` k blocks of one 32-column block, low-bit in `src`, as bf16 VNNI rows in `dst`. Widening is
+// this kernel's critical path (a float conversion per value took 3x the tile work), so it stays in
+// 16-bit integer ops.
+template <int kBits>
+void widen(const uint8_t* src, uint16_t* dst, int64_t k_blocks);
+
+// The loads in the widening loops wait on memory one by one: 106 MB of int8 widened in 9.3 ms against
+// 5 ms to only read them. Asking for the next chunk (the next bytes in memory: the rest of this block,
+// then the next block) while this one is widened took it to 6.8 ms (microbenchmark, 2 threads).
+void prefetch_next(const uint8_t* chunk, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk + bytes + off), _MM_HINT_T0);
+}
+
+// int8: q to fp16 (exact), then fp16's bits to bf16's: the exponent rebiased (+112) and the mantissa's
+// three low bits, zero for these integers, dropped. Zero maps to zero through the mask.
+template <>
+void widen<8>(const uint8_t* src, uint16_t* dst, int64_t k_blocks) {
+  const __m512i magnitude = _mm512_set1_epi16(0x7FFF), sign = _mm512_set1_epi16(static_cast<int16_t>(0x8000));
+  const __m512i rebias = _mm512_set1_epi16((127 - 15) << 7);
+  for (int64_t i = 0; i < k_blocks * kBTileElems; i += 32) {
+    const __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    const __m512i h = _mm512_castph_si512(_mm512_cvtepi16_ph(q));
+    const __m512i mag = _mm512_add_epi16(_mm512_srli_epi16(_mm512_and_si512(h, magnitude), 3), rebias);
+    const __m512i bf = _mm512_or_si512(_mm512_and_si512(h, sign), mag);
+    _mm512_storeu_si512(dst + i, _mm512_maskz_mov_epi16(_mm512_test_epi16_mask(q, q), bf));
+  }
+}
+
+// int4: the stored code u = q + 8 OR-ed into the bits of bf16 128.0 is the bf16 value 128 + u, exactly (the
+// binade [128, 256) steps by 1). The tiles then sum x * (q + kInt4Offset); the epilogue takes that back.
+constexpr float kInt4Offset = 136.0f;
+
+template <>
+void widen<4>(const uint8_t* src, uint16_t* dst, int64_t k_blocks) {
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
+  const int64_t rows = k_blocks * kTileK / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + r * kBlockCols));
+    const __m256i lo = _mm256_and_si256(bytes, low_nibbles), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles);
+    uint16_t* out = dst + r * 2 * kBlockCols;
+    _mm512_storeu_si512(out, _mm512_or_si512(_mm512_cvtepu8_epi16(lo), bf16_128));
+    _mm512_storeu_si512(out + kBlockCols, _mm512_or_si512(_mm512_cvtepu8_epi16(hi), bf16_128));
+  }
+}
+
+// sums[r, g] = the sum of x's row r over group g, for the zero-point term (only asymmetric int4 needs it).
+std::vector<float> group_sums(const uint16_t* x, int64_t m, int64_t k, int64_t group) {
+  const int64_t groups = num_groups(k, group);
+  std::vector<float> sums(m * groups, 0.0f);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.0f;
+      const uint16_t* xr = x + r * k + g * group;
+      const int64_t len = std::min(group, k - g * group);
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < len; ++i) s += bf16_to_float(xr[i]);
+      sums[r * groups + g] = s;
+    }
+  }
+  return sums;
+}
+
+struct LowBitWeight {
+  const uint8_t* q;
+  const float* scale;  // [groups, N]
+  const float* zero;   // [groups, N], or nullptr
+  int64_t group;
+};
+
+template <int kBits, bool kTwoRowBlocks>
+void block_rows(const uint16_t* x, const LowBitWeight& w, const std::vector<float>& sums, int64_t nb, int64_t m0, int64_t rows,
+                int64_t n, int64_t k, uint16_t* wide, float* c, float* acc, uint16_t* out) {
+  const int64_t groups = num_groups(k, w.group), group_blocks = w.group / kTileK, k_blocks = k / kTileK;
+  const int64_t kb_bytes = kBTileElems * kBits / 8;
+  const uint8_t* b = w.q + nb * k_blocks * kb_bytes;
+  const int64_t n0 = nb * kBlockCols;
+  std::fill(acc, acc + rows * kBlockCols, 0.0f);
+  for (int64_t g = 0; g < groups; ++g) {
+    zero_c<kTwoRowBlocks>();
+    const int64_t group_end = std::min((g + 1) * group_blocks, k_blocks);
+    for (int64_t kb = g * group_blocks; kb < group_end; kb += kWidenBlocks) {
+      const int64_t count = std::min(kWidenBlocks, group_end - kb);
+      prefetch_next(b + kb * kb_bytes, count * kb_bytes);
+      widen<kBits>(b + kb * kb_bytes, wide, count);
+      accumulate<kTwoRowBlocks>(x + m0 * k + kb * kTileK, k * 2, wide, count);
+    }
+    store_c<kTwoRowBlocks>(c);
+    // y += scale * (c - offset * sum) + zero * sum, with the offset the int4 widening added
+    const float* scale = w.scale + g * n + n0;
+    const float* zero = w.zero != nullptr ? w.zero + g * n + n0 : nullptr;
+    constexpr float kOffset = kBits == 4 ? kInt4Offset : 0.0f;
+    alignas(64) float sum_coef[kBlockCols];
+    for (int64_t j = 0; j < kBlockCols; ++j) sum_coef[j] = (zero != nullptr ? zero[j] : 0.0f) - kOffset * scale[j];
+    for (int64_t r = 0; r < rows; ++r) {
+      float* ar = acc + r * kBlockCols;
+      const float* cr = c + r * kBlockCols;
+      const float sum = sums.empty() ? 0.0f : sums[(m0 + r) * groups + g];
+#pragma omp simd
+      for (int64_t j = 0; j < kBlockCols; ++j) ar[j] += cr[j] * scale[j] + sum_coef[j] * sum;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    store_row(acc + r * kBlockCols, 1.0f, reinterpret_cast<at::BFloat16*>(out + (m0 + r) * n + n0), kBlockCols);
+  }
+}
+
+// Each thread takes a share of the 32-column blocks and reads its part of the weight once per 32 rows.
+template <int kBits>
+void lowbit_matmul(const uint16_t* x, const LowBitWeight& w, uint16_t* out, int64_t m, int64_t n, int64_t k) {
+  // the zero-point term and the int4 offset need each row's sum over each group
+  const std::vector<float> sums = w.zero != nullptr || kBits == 4 ? group_sums(x, m, k, w.group) : std::vector<float>();
+  at::parallel_for(0, n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> wide(kWidenBlocks * kBTileElems);
+    alignas(64) float c[2 * kTileRows * kBlockCols];
+    alignas(64) float acc[2 * kTileRows * kBlockCols];
+    int64_t configured_rows = -1;
+    for (int64_t nb = begin; nb < end; ++nb) {
+      for (int64_t m0 = 0; m0 < m; m0 += 2 * kTileRows) {
+        const int64_t rows = std::min<int64_t>(2 * kTileRows, m - m0);
+        configure_for(rows, configured_rows);
+        if (rows > kTileRows) {
+          block_rows<kBits, true>(x, w, sums, nb, m0, rows, n, k, wide.data(), c, acc, out);
+        } else {
+          block_rows<kBits, false>(x, w, sums, nb, m0, rows, n, k, wide.data(), c, acc, out);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+#endif
+
+at::Tensor amx_linear_lowbit(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                             const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be a bf16 [rows, in] matrix");
+  const auto q_dtype = bits == 8 ? at::kChar : at::kByte;
+  TORCH_CHECK(q.scalar_type() == q_dtype && q.is_contiguous() && q.dim() == (bits == 8 ? 4 : 3) &&
+                  q.size(2) == kBlockCols && (bits == 4 || q.size(3) == 2) && q.size(1) % (kTileK / 2) == 0,
+              "q must be int8 [out/32, in/2, 32, 2] VNNI blocks (uint8 [out/32, in/2, 32] for int4)");
+  const int64_t m = x.size(0), n = q.size(0) * kBlockCols, k = q.size(1) * 2;
+  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns, the weight takes ", k);
+  TORCH_CHECK(group_size > 0 && group_size % kTileK == 0, "group_size must be a multiple of 32, got ", group_size);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
+                  scale.size(0) == num_groups(k, group_size) && scale.size(1) == n,
+              "scale must be float32 [groups, out]");
+  if (zero) TORCH_CHECK(zero->sizes() == scale.sizes() && zero->scalar_type() == at::kFloat && zero->is_contiguous(),
+                        "zero must match scale");
+  at::Tensor out = at::empty({m, n}, x.options());
+#ifdef KVYARD_HAS_AMX
+  TORCH_CHECK(amx_ready(), "AMX is not available on this CPU or was refused by the OS");
+  const at::Tensor xc = x.contiguous();
+  const LowBitWeight w{reinterpret_cast<const uint8_t*>(q.data_ptr()), scale.data_ptr<float>(),
+                       zero ? zero->data_ptr<float>() : nullptr, group_size};
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  if (m > 0) bits == 8 ? lowbit_matmul<8>(xp, w, op, m, n, k) : lowbit_matmul<4>(xp, w, op, m, n, k);
+#else
+  TORCH_CHECK(false, "kvyard was compiled for a CPU without AMX");
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvyard, m) {
+  m.def("amx_linear_lowbit(Tensor x, Tensor q, Tensor scale, Tensor? zero, int bits, int group_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("amx_linear_lowbit", &amx_linear_lowbit); }
