@@ -75,7 +75,7 @@ void widen<4>(const uint8_t* src, uint16_t* dst, int64_t k_blocks) {
   }
 }
 
-// sums[r, g] = the sum of x's row r over group g, for the zero-point term (only asymmetric int4 needs it).
+// sums[r, g] = the sum of x's row r over group g: the zero-point term and the int4 offset need it.
 std::vector<float> group_sums(const uint16_t* x, int64_t m, int64_t k, int64_t group) {
   const int64_t groups = num_groups(k, group);
   std::vector<float> sums(m * groups, 0.0f);
@@ -139,7 +139,6 @@ void block_rows(const uint16_t* x, const LowBitWeight& w, const std::vector<floa
 // Each thread takes a share of the 32-column blocks and reads its part of the weight once per 32 rows.
 template <int kBits>
 void lowbit_matmul(const uint16_t* x, const LowBitWeight& w, uint16_t* out, int64_t m, int64_t n, int64_t k) {
-  // the zero-point term and the int4 offset need each row's sum over each group
   const std::vector<float> sums = w.zero != nullptr || kBits == 4 ? group_sums(x, m, k, w.group) : std::vector<float>();
   at::parallel_for(0, n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> wide(kWidenBlocks * kBTileElems);
