@@ -83,6 +83,11 @@ class EngineConfig:
                 raise InvalidRequestError(f"{name} must be >= 1", param=name)
         self._check_speculative()
 
+    @property
+    def token_budget(self) -> int:
+        """Tokens per forward pass: also the most rows any matmul of a step sees."""
+        return self.max_num_batched_tokens or ONLINE_TOKEN_BUDGET
+
     def with_token_budget(self, default: int) -> "EngineConfig":
         """This config, with `default` as its token budget when none was chosen."""
         if self.max_num_batched_tokens is not None:

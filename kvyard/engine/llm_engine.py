@@ -69,7 +69,7 @@ class LLMEngine:
         context = min(ckpt.config.max_position_embeddings, cfg.max_model_len or 1 << 62)
         # A request must fit the whole pool, or preempting everyone else could still not make room.
         self.max_model_len = min(context, num_blocks * cfg.block_size)
-        model = DecoderModel(ckpt.config, cfg.dtype, device, max_positions=self.max_model_len)
+        model = DecoderModel(ckpt.config, cfg.dtype, device, max_positions=self.max_model_len, max_rows=cfg.token_budget)
         model.load(self._weights(ckpt), str(path))
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.blocks)

@@ -8,7 +8,7 @@ and output again. Requests that reach the end of their tokens get a new token sa
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvyard.config import ONLINE_TOKEN_BUDGET, EngineConfig
+from kvyard.config import EngineConfig
 from kvyard.engine.block_manager import BlockManager
 from kvyard.engine.request import Request, Status
 
@@ -31,7 +31,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, cfg: EngineConfig, blocks: BlockManager):
         self.cfg = cfg
-        self.token_budget = cfg.max_num_batched_tokens or ONLINE_TOKEN_BUDGET
+        self.token_budget = cfg.token_budget
         self.blocks = blocks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

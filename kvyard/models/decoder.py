@@ -64,8 +64,12 @@ class LayerWeights:
 
 
 class DecoderModel:
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+                 max_rows: int | None = None):
+        """`max_rows`: the most tokens a forward pass will carry (the engine's token budget), if known; it
+        decides whether weights need a form for prefill-sized matmuls too (see pack_weight)."""
         self.cfg = cfg
+        self.max_rows = max_rows
         self.dtype = dtype
         self.device = device
         self.rope = RotaryTable(cfg, max_positions, device)
@@ -102,7 +106,7 @@ class DecoderModel:
             return w.pop(name)  # type: ignore[return-value]
 
         def weight(*names: str) -> Weight:
-            return pack_weight(self._weight([take(n) for n in names], source))
+            return pack_weight(self._weight([take(n) for n in names], source), self.max_rows)
 
         self.embed = take("model.embed_tokens.weight")
         self.final_norm = take("model.norm.weight")
@@ -173,7 +177,7 @@ class DecoderModel:
         # Packed on first use rather than at load: callers may still slice or swap lm_head after loading
         # (a speculator's vocabulary map, the quantizer's unit switch), and a tied head shares the embedding.
         if self._packed_head is None or self._packed_head[0] is not self.lm_head:
-            self._packed_head = (self.lm_head, pack_weight(self.lm_head))  # type: ignore[arg-type]
+            self._packed_head = (self.lm_head, pack_weight(self.lm_head, self.max_rows))  # type: ignore[arg-type]
         return self._packed_head[1]
 
     def _attention(self, h: torch.Tensor, layer: LayerWeights, cache: LayerKV, meta: AttentionMetadata,

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from kvyard.config import EngineConfig
+from kvyard.engine.llm_engine import LLMEngine
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.linear import AmxWeight, linear, pack_weight
 
@@ -61,3 +63,16 @@ def test_bad_inputs_raise():
         packed(torch.randn(2, 64))
     with pytest.raises(RuntimeError, match="bias"):
         packed(torch.randn(2, 64).bfloat16(), torch.randn(31).bfloat16())
+
+
+@needs_amx
+@pytest.mark.parametrize(("budget", "copies"), [(512, 1), (2048, 2)])
+def test_engine_keeps_onednn_copy_only_for_prefill_sized_steps(tiny_checkpoint, budget, copies):
+    """A step never carries more rows than the token budget, so a 512-token engine (servers) holds its
+    weights once; the offline 2,048-token one keeps oneDNN's copy for its prefill chunks."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), dtype="bfloat16",
+                                    max_num_batched_tokens=budget))
+    weights = [w for layer in engine.runner.model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert all(isinstance(w, AmxWeight) and (w.onednn is not None) == (copies == 2) for w in weights)
+    prompt = list(range(3, 40))
+    assert engine.compute_logits(prompt).isfinite().all()
