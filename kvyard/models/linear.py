@@ -3,7 +3,7 @@
 A dense bf16 weight is held in one of two pre-arranged forms, so that no matmul rearranges it per call:
 - `AmxWeight`, tiled for kvyard's AMX kernel (csrc/amx_linear.cpp), where the CPU has AMX: a decode
   step's few rows then stream each weight at close to memory speed, at a few microseconds per call
-  (prefill-sized calls take the oneDNN copy it also keeps);
+  (prefill-sized calls take the oneDNN copy it keeps where steps may carry more than 512 rows);
 - oneDNN's blocked layout otherwise (torch.ops.mkldnn).
 Low-bit weights (QuantizedLinear) carry their own kernels; fp32 and GPU weights stay plain.
 """
