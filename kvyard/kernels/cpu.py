@@ -1,6 +1,6 @@
 """kvyard's hand-written CPU kernels (csrc/), compiled once per machine and cached.
 
-The first use builds them with PyTorch's JIT extension builder (about 20 s; the result is kept in
+The first use builds them with PyTorch's JIT extension builder (about 40 s on 2 cores; the result is kept in
 PyTorch's extensions cache, keyed by the source). Where no compiler is available, or with
 KVYARD_CPU_KERNELS=0, the callers fall back to plain PyTorch ops: same results within rounding, slower.
 """
@@ -59,7 +59,7 @@ def _build() -> bool:
     # cached library.
     parts = [p.read_bytes() for p in _SOURCES + _HEADERS] + [" ".join(_CFLAGS).encode()]
     digest = hashlib.sha256(b"".join(parts)).hexdigest()[:12]
-    log.info("loading kvyard's CPU kernels (the first use on a machine compiles them, about 20 s)")
+    log.info("loading kvyard's CPU kernels (the first use on a machine compiles them, about 40 s)")
     try:
         load(
             name=f"kvyard_cpu_ops_{digest}",
