@@ -14,17 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from kvyard.kernels import cpu as cpu_kernels
+from kvyard.kernels import vnni
 from kvyard.quant.qlinear import QuantizedLinear
 
-_BLOCK_COLS, _TILE_K = 32, 32  # output columns per packed block; input values per AMX tile row
 _PACK_ROWS_HINT = 32  # the layout oneDNN picks for this many rows also serves 1 and 512 rows well
 AMX_MAX_ROWS = 512  # up to here the AMX loop is at least as fast as oneDNN (0.9x of its time at 512 rows)
 
 
 @dataclass(frozen=True)
 class AmxWeight:
-    """A bf16 [out, in] weight in VNNI blocks, [out/32, in/2, 32, 2]: for each 32 output columns, the input
-    values in pairs, column by column -- the order AMX's TDPBF16PS reads.
+    """A bf16 [out, in] weight in the AMX kernels' VNNI blocks (kvyard/kernels/vnni.py).
 
     `onednn` keeps oneDNN's packed copy for prefill-sized calls: above AMX_MAX_ROWS rows the matmul is
     compute-bound and oneDNN's GEMM beats the AMX loop (1.35x faster over SmolLM2's four layer shapes at
@@ -36,16 +35,15 @@ class AmxWeight:
 
     @classmethod
     def fits(cls, w: torch.Tensor) -> bool:
-        return w.dim() == 2 and w.shape[0] % _BLOCK_COLS == 0 and w.shape[1] % _TILE_K == 0
+        return w.dim() == 2 and vnni.fits(*w.shape)
 
     @classmethod
     def tile(cls, w: torch.Tensor, onednn: torch.Tensor | None = None) -> "AmxWeight":
-        n, k = w.shape
-        return cls(w.reshape(n // _BLOCK_COLS, _BLOCK_COLS, k // 2, 2).permute(0, 2, 1, 3).contiguous(), onednn)
+        return cls(vnni.to_blocks(w), onednn)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.tiles.shape[0] * _BLOCK_COLS, self.tiles.shape[1] * 2
+        return self.tiles.shape[0] * vnni.BLOCK_COLS, self.tiles.shape[1] * 2
 
     @property
     def nbytes(self) -> int:

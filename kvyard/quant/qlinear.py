@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvyard.kernels import cpu as cpu_kernels
+from kvyard.kernels import vnni
 from kvyard.quant.qtensor import QuantizedTensor
 
 # Above this many rows, dequantize-then-GEMM beats the low-bit kernels on this CPU
@@ -117,17 +118,15 @@ class AmxLowBitLinear:
     VNNI blocks of 32 output columns (int4: q + 8, two per byte), scales and zero terms as [groups, N] fp32.
     y = sum over groups of scale * (x . q) + zero * sum(x): the exact fp32 result, no rounded weight."""
 
-    _BLOCK = 32
-
     def __init__(self, qt: QuantizedTensor):
         self.out_features, self.in_features = n, k = qt.shape
         self.bits, self.group_size = qt.scheme.bits, qt.group_size
-        blocks = qt.q.reshape(n // self._BLOCK, self._BLOCK, k // 2, 2).permute(0, 2, 1, 3)
+        blocks = vnni.to_blocks(qt.q)
         if self.bits == 8:
-            self.q = blocks.contiguous()
+            self.q = blocks
         else:
-            rows = (blocks + 8).to(torch.uint8).reshape(n // self._BLOCK, k // 2, 2 * self._BLOCK)
-            self.q = (rows[..., : self._BLOCK] | (rows[..., self._BLOCK :] << 4)).contiguous()
+            rows = (blocks + 8).to(torch.uint8).reshape(n // vnni.BLOCK_COLS, k // 2, 2 * vnni.BLOCK_COLS)
+            self.q = (rows[..., : vnni.BLOCK_COLS] | (rows[..., vnni.BLOCK_COLS :] << 4)).contiguous()
         self.scale = qt.scale.t().contiguous()
         # w = (q - zp) * scale = q * scale + zero, zero = -zp * scale
         self.zero = None if qt.zero_point is None else (-qt.zero_point.float() * qt.scale).t().contiguous()
@@ -135,7 +134,7 @@ class AmxLowBitLinear:
     @classmethod
     def fits(cls, qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> bool:
         n, k = qt.shape
-        return (dtype == torch.bfloat16 and device.type == "cpu" and n % cls._BLOCK == 0 and k % 32 == 0
+        return (dtype == torch.bfloat16 and device.type == "cpu" and vnni.fits(n, k)
                 and qt.group_size % 32 == 0 and cpu_kernels.amx_available())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,13 +144,10 @@ class AmxLowBitLinear:
 
     def _values(self) -> torch.Tensor:
         """q as float32 [N, K], back from the blocked layout."""
-        n, k = self.out_features, self.in_features
         if self.bits == 8:
-            blocks = self.q.float()
-        else:
-            rows = torch.cat([self.q & 0xF, self.q >> 4], dim=-1).float() - 8
-            blocks = rows.view(n // self._BLOCK, k // 2, self._BLOCK, 2)
-        return blocks.permute(0, 2, 1, 3).reshape(n, k)
+            return vnni.from_blocks(self.q.float())
+        rows = torch.cat([self.q & 0xF, self.q >> 4], dim=-1).float() - 8
+        return vnni.from_blocks(rows.view(*self.q.shape[:2], vnni.BLOCK_COLS, 2))
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         k = self.in_features

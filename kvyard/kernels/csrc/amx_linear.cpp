@@ -23,17 +23,14 @@ constexpr int64_t kPanelBytes = 256 * 1024;  // activation rows per pass over th
 #ifdef KVYARD_HAS_AMX
 
 // out[rows x 32] (bf16, row stride n) = c + bias, rounded once as oneDNN rounds its fp32 result.
-void write_out(const float* c, const uint16_t* bias, uint16_t* out, int64_t n, int64_t rows) {
+void write_out(float* c, const uint16_t* bias, uint16_t* out, int64_t n, int64_t rows) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float* cr = c + r * kBlockCols;
-    uint16_t* o = out + r * n;
+    float* cr = c + r * kBlockCols;
     if (bias != nullptr) {
 #pragma omp simd
-      for (int64_t j = 0; j < kBlockCols; ++j) o[j] = float_to_bf16(cr[j] + bf16_to_float(bias[j]));
-    } else {
-#pragma omp simd
-      for (int64_t j = 0; j < kBlockCols; ++j) o[j] = float_to_bf16(cr[j]);
+      for (int64_t j = 0; j < kBlockCols; ++j) cr[j] += bf16_to_float(bias[j]);
     }
+    store_row(cr, 1.0f, reinterpret_cast<at::BFloat16*>(out + r * n), kBlockCols);
   }
 }
 

@@ -37,7 +37,9 @@ void widen(const uint8_t* src, uint16_t* dst, int64_t k_blocks);
 
 // The loads in the widening loops wait on memory one by one: 106 MB of int8 widened in 9.3 ms against
 // 5 ms to only read them. Asking for the next chunk (the next bytes in memory: the rest of this block,
-// then the next block) while this one is widened took it to 6.8 ms (microbenchmark, 2 threads).
+// then the next block) while this one is widened took it to 6.8 ms (microbenchmark, 2 threads); in the
+// whole kernel, over SmolLM2's 120 layer matmuls alternating with and without it, one row took 0.95x
+// (int8) and 0.92x (int4) of the time, 32 rows 0.97x and 1.00x.
 void prefetch_next(const uint8_t* chunk, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk + bytes + off), _MM_HINT_T0);
 }
@@ -141,7 +143,7 @@ template <int kBits>
 void lowbit_matmul(const uint16_t* x, const LowBitWeight& w, uint16_t* out, int64_t m, int64_t n, int64_t k) {
   const std::vector<float> sums = w.zero != nullptr || kBits == 4 ? group_sums(x, m, k, w.group) : std::vector<float>();
   at::parallel_for(0, n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> wide(kWidenBlocks * kBTileElems);
+    alignas(64) uint16_t wide[kWidenBlocks * kBTileElems];  // 16 KB
     alignas(64) float c[2 * kTileRows * kBlockCols];
     alignas(64) float acc[2 * kTileRows * kBlockCols];
     int64_t configured_rows = -1;
@@ -150,9 +152,9 @@ void lowbit_matmul(const uint16_t* x, const LowBitWeight& w, uint16_t* out, int6
         const int64_t rows = std::min<int64_t>(2 * kTileRows, m - m0);
         configure_for(rows, configured_rows);
         if (rows > kTileRows) {
-          block_rows<kBits, true>(x, w, sums, nb, m0, rows, n, k, wide.data(), c, acc, out);
+          block_rows<kBits, true>(x, w, sums, nb, m0, rows, n, k, wide, c, acc, out);
         } else {
-          block_rows<kBits, false>(x, w, sums, nb, m0, rows, n, k, wide.data(), c, acc, out);
+          block_rows<kBits, false>(x, w, sums, nb, m0, rows, n, k, wide, c, acc, out);
         }
       }
     }
