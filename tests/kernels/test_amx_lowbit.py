@@ -20,7 +20,7 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 @needs_amx
 @pytest.mark.parametrize("name", SCHEMES)
 @pytest.mark.parametrize(("out", "inp"), [(32, 128), (96, 576), (64, 1536)])  # 576: a short last group
-@pytest.mark.parametrize("rows", [1, 16, 17, 33, KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 33, KERNEL_MAX_ROWS])  # 1-4: the vector loops (int4: 1)
 def test_rounds_the_exact_result_once(name, out, inp, rows):
     """Scales go onto each group's fp32 sum, so the output is the exact x @ dequantized.T rounded once
     to bf16 (within one bf16 step; fp32 summation adds far less)."""

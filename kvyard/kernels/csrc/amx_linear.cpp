@@ -52,10 +52,11 @@ void amx_matmul(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint
         for (int64_t m0 = panel; m0 < panel_end; m0 += 2 * kTileRows) {
           const int64_t rows = std::min<int64_t>(2 * kTileRows, panel_end - m0);
           configure_for(rows, configured_rows);
+          const bool stream = m0 == panel;  // later row blocks find the block in cache
           if (rows > kTileRows) {
-            tile_kernel<true>(x + m0 * k, k * 2, b, k_blocks, c);
+            tile_kernel<true>(x + m0 * k, k * 2, b, k_blocks, stream, c);
           } else {
-            tile_kernel<false>(x + m0 * k, k * 2, b, k_blocks, c);
+            tile_kernel<false>(x + m0 * k, k * 2, b, k_blocks, stream, c);
           }
           write_out(c, bias != nullptr ? bias + n0 : nullptr, out + m0 * n + n0, n, rows);
         }

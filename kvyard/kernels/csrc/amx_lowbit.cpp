@@ -35,15 +35,6 @@ int64_t num_groups(int64_t k, int64_t group) { return (k + group - 1) / group; }
 template <int kBits>
 void widen(const uint8_t* src, uint16_t* dst, int64_t k_blocks);
 
-// The loads in the widening loops wait on memory one by one: 106 MB of int8 widened in 9.3 ms against
-// 5 ms to only read them. Asking for the next chunk (the next bytes in memory: the rest of this block,
-// then the next block) while this one is widened took it to 6.8 ms (microbenchmark, 2 threads); in the
-// whole kernel, over SmolLM2's 120 layer matmuls alternating with and without it, one row took 0.95x
-// (int8) and 0.92x (int4) of the time, 32 rows 0.97x and 1.00x.
-void prefetch_next(const uint8_t* chunk, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(chunk + bytes + off), _MM_HINT_T0);
-}
-
 // int8: q to fp16 (exact), then fp16's bits to bf16's: the exponent rebiased (+112) and the mantissa's
 // three low bits, zero for these integers, dropped. Zero maps to zero through the mask.
 template <>
@@ -114,9 +105,9 @@ void block_rows(const uint16_t* x, const LowBitWeight& w, const std::vector<floa
     const int64_t group_end = std::min((g + 1) * group_blocks, k_blocks);
     for (int64_t kb = g * group_blocks; kb < group_end; kb += kWidenBlocks) {
       const int64_t count = std::min(kWidenBlocks, group_end - kb);
-      prefetch_next(b + kb * kb_bytes, count * kb_bytes);
+      if (m0 == 0) prefetch_ahead(b + kb * kb_bytes, count * kb_bytes);  // later row blocks find it in cache
       widen<kBits>(b + kb * kb_bytes, wide, count);
-      accumulate<kTwoRowBlocks>(x + m0 * k + kb * kTileK, k * 2, wide, count);
+      accumulate<kTwoRowBlocks>(x + m0 * k + kb * kTileK, k * 2, wide, count, false);
     }
     store_c<kTwoRowBlocks>(c);
     // y += scale * (c - offset * sum) + zero * sum, with the offset the int4 widening added
@@ -162,6 +153,130 @@ void lowbit_matmul(const uint16_t* x, const LowBitWeight& w, uint16_t* out, int6
   });
 }
 
+// ---- A few rows (a batch-1 decode): AVX-512 dot products on the packed bytes, no tiles ----
+//
+// With one row the tiles do 1/16 of useful work, and the widening buffer costs a store and a reload per
+// weight; these loops widen in registers and stream the weight at memory speed. Same layout, same result
+// (fp32 sums of exact products; scales and zero terms per group). They beat the tiles up to this many rows
+// (SmolLM2's 120 layer matmuls, alternating: int8 6.1 / 6.6 / 7.5 ms at 1 / 2 / 4 rows against ~10 ms on
+// the tiles; int4 3.6 against 4.1 ms at one row, but 4.9 against 4.1 at two).
+constexpr int64_t gemv_max_rows(int bits) { return bits == 8 ? 4 : 1; }
+
+// 16 fp32 lanes -> 16 bf16 outputs, rounded as the tile path rounds.
+inline void store16(__m512 v, uint16_t* out) {
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  store_row(tmp, 1.0f, reinterpret_cast<at::BFloat16*>(out), 16);
+}
+
+// int4, one row: a VNNI row's 32 bytes widen to two vectors of bf16 pairs, columns 0-15 (low nibbles)
+// and 16-31 (high), the code u OR-ed into bf16 128.0 as in widen<4>; one VDPBF16PS per half adds
+// x * (q + 136) over the pair, and the offset comes back through the group sums.
+void gemv4_block(const uint16_t* x, const LowBitWeight& w, const float* sums, int64_t nb, int64_t n, int64_t k,
+                 uint16_t* out) {
+  const int64_t groups = num_groups(k, w.group), pairs = k / 2, n0 = nb * kBlockCols;
+  const uint8_t* b = w.q + nb * pairs * kBlockCols;
+  const __m512i nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
+  __m512 y[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t g = 0; g < groups; ++g) {
+    // Two VNNI rows per step into separate sums: one chain would wait on VDPBF16PS's latency.
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const int64_t p_end = std::min(pairs, (g + 1) * w.group / 2);  // groups hold a multiple of 16 pairs
+    for (int64_t p = g * w.group / 2; p < p_end; p += 2) {
+      prefetch_ahead(b + p * kBlockCols, 64);
+      for (int u = 0; u < 2; ++u) {
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (p + u) * kBlockCols)));
+        const __m512i lo = _mm512_ternarylogic_epi32(bytes, nibble, bf16_128, 0xEA);  // (bytes & 0xF) | 128.0
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(bytes, 4), nibble, bf16_128, 0xEA);
+        uint32_t pair;
+        std::memcpy(&pair, x + 2 * (p + u), 4);
+        const __m512bh xp = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(pair)));
+        a[2 * u] = _mm512_dpbf16_ps(a[2 * u], reinterpret_cast<__m512bh>(lo), xp);
+        a[2 * u + 1] = _mm512_dpbf16_ps(a[2 * u + 1], reinterpret_cast<__m512bh>(hi), xp);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {  // y += scale * (dot - 136 * sum) + zero * sum
+      const __m512 scale = _mm512_loadu_ps(w.scale + g * n + n0 + 16 * h);
+      __m512 coef = _mm512_mul_ps(scale, _mm512_set1_ps(-kInt4Offset));
+      if (w.zero != nullptr) coef = _mm512_add_ps(coef, _mm512_loadu_ps(w.zero + g * n + n0 + 16 * h));
+      const __m512 dot = _mm512_add_ps(a[h], a[h + 2]);
+      y[h] = _mm512_fmadd_ps(dot, scale, _mm512_fmadd_ps(coef, _mm512_set1_ps(sums[g]), y[h]));
+    }
+  }
+  for (int h = 0; h < 2; ++h) store16(y[h], out + n0 + 16 * h);
+}
+
+// int8, M rows: each 16 bytes of a VNNI row (8 columns x a pair of k) to fp32, and one FMA per row of x
+// against its pair (x[2p], x[2p + 1]) broadcast; lanes 2c and 2c + 1 are added at the end.
+template <int M>
+void gemv8_block(const float* xf, const LowBitWeight& w, const float* sums, int64_t nb, int64_t n, int64_t k,
+                 uint16_t* out) {
+  const int64_t groups = num_groups(k, w.group), pairs = k / 2, n0 = nb * kBlockCols;
+  const int8_t* b = reinterpret_cast<const int8_t*>(w.q) + nb * pairs * 2 * kBlockCols;
+  const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+  __m512 y[M][2];
+  for (int r = 0; r < M; ++r) y[r][0] = y[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 a[M][4];
+    for (int r = 0; r < M; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
+    const int64_t p_end = std::min(pairs, (g + 1) * w.group / 2);
+    for (int64_t p = g * w.group / 2; p < p_end; ++p) {
+      const int8_t* row = b + p * 2 * kBlockCols;
+      prefetch_ahead(row, 64);
+      __m512 wq[4];
+      for (int i = 0; i < 4; ++i)
+        wq[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * i))));
+      for (int r = 0; r < M; ++r) {
+        double pair;
+        std::memcpy(&pair, xf + r * k + 2 * p, 8);
+        const __m512 xp = _mm512_castpd_ps(_mm512_set1_pd(pair));
+        for (int i = 0; i < 4; ++i) a[r][i] = _mm512_fmadd_ps(wq[i], xp, a[r][i]);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {  // y += scale * dot + zero * sum
+      const __m512 scale = _mm512_loadu_ps(w.scale + g * n + n0 + 16 * h);
+      const __m512 zero = w.zero != nullptr ? _mm512_loadu_ps(w.zero + g * n + n0 + 16 * h) : _mm512_setzero_ps();
+      for (int r = 0; r < M; ++r) {
+        const __m512 dot = _mm512_add_ps(_mm512_permutex2var_ps(a[r][2 * h], evens, a[r][2 * h + 1]),
+                                         _mm512_permutex2var_ps(a[r][2 * h], odds, a[r][2 * h + 1]));
+        const __m512 s = _mm512_set1_ps(sums == nullptr ? 0.0f : sums[r * groups + g]);
+        y[r][h] = _mm512_fmadd_ps(dot, scale, _mm512_fmadd_ps(zero, s, y[r][h]));
+      }
+    }
+  }
+  for (int r = 0; r < M; ++r)
+    for (int h = 0; h < 2; ++h) store16(y[r][h], out + r * n + n0 + 16 * h);
+}
+
+template <int M>
+void gemv8(const float* xf, const LowBitWeight& w, const float* sums, int64_t n, int64_t k, uint16_t* out) {
+  at::parallel_for(0, n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) gemv8_block<M>(xf, w, sums, nb, n, k, out);
+  });
+}
+
+// m <= gemv_max_rows(kBits) rows; each thread takes a share of the 32-column blocks, as on the tiles.
+template <int kBits>
+void lowbit_gemv(const uint16_t* x, const LowBitWeight& w, uint16_t* out, int64_t m, int64_t n, int64_t k) {
+  const std::vector<float> sums = w.zero != nullptr || kBits == 4 ? group_sums(x, m, k, w.group) : std::vector<float>();
+  const float* s = sums.empty() ? nullptr : sums.data();
+  if constexpr (kBits == 4) {
+    at::parallel_for(0, n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t nb = begin; nb < end; ++nb) gemv4_block(x, w, s, nb, n, k, out);
+    });
+  } else {
+    std::vector<float> xf(m * k);  // fp32 pairs broadcast straight from memory
+    for (int64_t i = 0; i < m * k; ++i) xf[i] = bf16_to_float(x[i]);
+    switch (m) {
+      case 1: gemv8<1>(xf.data(), w, s, n, k, out); break;
+      case 2: gemv8<2>(xf.data(), w, s, n, k, out); break;
+      case 3: gemv8<3>(xf.data(), w, s, n, k, out); break;
+      default: gemv8<4>(xf.data(), w, s, n, k, out); break;
+    }
+  }
+}
+
 #endif
 
 at::Tensor amx_linear_lowbit(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
@@ -188,7 +303,8 @@ at::Tensor amx_linear_lowbit(const at::Tensor& x, const at::Tensor& q, const at:
                        zero ? zero->data_ptr<float>() : nullptr, group_size};
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  if (m > 0) bits == 8 ? lowbit_matmul<8>(xp, w, op, m, n, k) : lowbit_matmul<4>(xp, w, op, m, n, k);
+  if (m > 0 && m <= gemv_max_rows(bits)) bits == 8 ? lowbit_gemv<8>(xp, w, op, m, n, k) : lowbit_gemv<4>(xp, w, op, m, n, k);
+  else if (m > 0) bits == 8 ? lowbit_matmul<8>(xp, w, op, m, n, k) : lowbit_matmul<4>(xp, w, op, m, n, k);
 #else
   TORCH_CHECK(false, "kvyard was compiled for a CPU without AMX");
 #endif

@@ -21,17 +21,27 @@ struct SlotSpan {
   int64_t stride, offset, bytes;
 };
 
+// Asks for the span of every slot of block `b` of a row's table.
+inline void prefetch_block(const int64_t* table, int64_t b, int64_t block_size, const SlotSpan& span) {
+  const char* first = span.base + table[b] * block_size * span.stride + span.offset;
+  for (int64_t j = 0; j < block_size; ++j)
+    for (int64_t off = 0; off < span.bytes; off += 64) __builtin_prefetch(first + j * span.stride + off, 0, 3);
+}
+
+// Blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at every block edge: the
+// walk asks for its first kBlocksAhead blocks at once, then for the block that far ahead of the one it
+// computes. Against one block ahead and none at the start: 0.93x of the time over SmolLM2's 30 layers at
+// 32 rows of ~175 tokens (alternating microbenchmark); two ahead without the start: 1.03x.
+constexpr int64_t kBlocksAhead = 4;
+
 // Calls f(position, slot) for positions 0 .. len-1 of a row, walking its block table block by block.
-// While one block is computed, the span of the next block's slots is prefetched: blocks sit anywhere in
-// the pool, so the hardware prefetcher loses the stream at every block edge.
+// (A plain function does the prefetching: a lambda here kept GCC from inlining f, at 1.8x the time.)
 template <typename F>
 inline void for_each_token(const int64_t* table, int64_t len, int64_t block_size, const SlotSpan& span, F&& f) {
+  const int64_t blocks = (len + block_size - 1) / block_size;
+  for (int64_t b = 0; b < std::min(kBlocksAhead, blocks); ++b) prefetch_block(table, b, block_size, span);
   for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
-    if (t0 + block_size < len) {
-      const char* next = span.base + table[b + 1] * block_size * span.stride + span.offset;
-      for (int64_t j = 0; j < block_size; ++j)
-        for (int64_t off = 0; off < span.bytes; off += 64) __builtin_prefetch(next + j * span.stride + off, 0, 3);
-    }
+    if (b + kBlocksAhead < blocks) prefetch_block(table, b + kBlocksAhead, block_size, span);
     const int64_t base = table[b] * block_size, n = std::min(block_size, len - t0);
     for (int64_t j = 0; j < n; ++j) f(t0 + j, base + j);
   }
