@@ -15,7 +15,7 @@ from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.attention import AttentionMetadata, paged_attention
 from kvyard.models.config import ModelConfig
 from kvyard.models.kv_layer import LayerKV
-from kvyard.models.linear import AmxWeight, Weight, linear, pack_weight
+from kvyard.models.linear import AmxWeight, Weight, gated_mlp_input, linear, pack_weight
 from kvyard.models.rope import RotaryTable, apply_rotary
 from kvyard.quant.qlinear import make_linear
 from kvyard.quant.qtensor import QuantizedTensor
@@ -105,8 +105,8 @@ class DecoderModel:
                 raise CheckpointError(f"{source}: {cfg.model_type} checkpoint is missing tensor {name!r}")
             return w.pop(name)  # type: ignore[return-value]
 
-        def weight(*names: str) -> Weight:
-            return pack_weight(self._weight([take(n) for n in names], source), self.max_rows)
+        def weight(*names: str, gate_up: bool = False) -> Weight:
+            return pack_weight(self._weight([take(n) for n in names], source), self.max_rows, gate_up)
 
         self.embed = take("model.embed_tokens.weight")
         self.final_norm = take("model.norm.weight")
@@ -129,7 +129,7 @@ class DecoderModel:
                     qk_norm=self._qk_norm(take(a + "q_norm.weight"), take(a + "k_norm.weight")) if cfg.qk_norm else None,
                     o=weight(a + "o_proj.weight"),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=weight(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    gate_up=weight(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", gate_up=True),
                     down=weight(p + "mlp.down_proj.weight"),
                 )
             )
@@ -200,4 +200,5 @@ class DecoderModel:
         return linear(attn.reshape(n, self.q_size), layer.o)
 
     def _mlp(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        return linear(silu_mul(linear(h, layer.gate_up)), layer.down)
+        gated = gated_mlp_input(h, layer.gate_up)
+        return linear(silu_mul(linear(h, layer.gate_up)) if gated is None else gated, layer.down)

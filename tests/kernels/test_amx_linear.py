@@ -6,7 +6,7 @@ import torch
 from kvyard.config import EngineConfig
 from kvyard.engine.llm_engine import LLMEngine
 from kvyard.kernels import cpu as cpu_kernels
-from kvyard.models.linear import AmxWeight, linear, pack_weight
+from kvyard.models.linear import AMX_MAX_ROWS, AmxWeight, gated_mlp_input, linear, pack_weight
 
 needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(), reason="this CPU has no AMX")
 
@@ -72,7 +72,32 @@ def test_engine_keeps_onednn_copy_only_for_prefill_sized_steps(tiny_checkpoint, 
     weights once; the offline 2,048-token one keeps oneDNN's copy for its prefill chunks."""
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), dtype="bfloat16",
                                     max_num_batched_tokens=budget))
-    weights = [w for layer in engine.runner.model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    layers = engine.runner.model.layers
+    weights = [w for layer in layers for w in (layer.qkv, layer.o, layer.down)]
     assert all(isinstance(w, AmxWeight) and (w.onednn is not None) == (copies == 2) for w in weights)
+    # gate|up keeps its two halves instead, for the fused MLP of prefill-sized steps
+    assert all(layer.gate_up.onednn is None and (layer.gate_up.onednn_halves is not None) == (copies == 2)
+               for layer in layers)
     prompt = list(range(3, 40))
     assert engine.compute_logits(prompt).isfinite().all()
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 1500])
+def test_gated_mlp_input_fuses_only_prefill_sized_calls(rows):
+    """silu(gate) * up from oneDNN's post-ops: within two bf16 steps of the fp64 result (it rounds the
+    activated gate once, then the product), as close as linear + silu_mul; up to AMX_MAX_ROWS it declines."""
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(128, 96, generator=g) / 8).bfloat16()  # gate (64 rows) | up (64 rows)
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    packed = pack_weight(w, gate_up=True)
+    assert packed.onednn is None and packed.nbytes == 2 * w.nbytes
+    got = gated_mlp_input(x, packed)
+    if rows <= AMX_MAX_ROWS:
+        assert got is None
+        return
+    gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
+    exact = torch.nn.functional.silu(gate) * up
+    err = (got.double() - exact).abs()
+    assert got.shape == (rows, 64) and (err <= 2 * _bf16_ulp(exact) + 1e-3 * exact.abs().max()).all(), err.max()
+    assert gated_mlp_input(x, pack_weight(w)) is None  # a weight packed without halves

@@ -96,6 +96,6 @@ def test_bf16_engine_is_unchanged_by_packing(tiny_checkpoint, monkeypatch):
     path = str(tiny_checkpoint("qwen2"))
     prompt = list(range(3, 40))
     packed = LLM(path, dtype="bfloat16").engine.compute_logits(prompt)
-    monkeypatch.setattr(decoder, "pack_weight", lambda w, max_rows=None: w)
+    monkeypatch.setattr(decoder, "pack_weight", lambda w, max_rows=None, gate_up=False: w)
     plain = LLM(path, dtype="bfloat16").engine.compute_logits(prompt)
     assert torch.equal(packed, plain)
