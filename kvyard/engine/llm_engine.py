@@ -12,6 +12,7 @@ import torch
 
 from kvyard.config import EngineConfig
 from kvyard.engine.block_manager import BlockManager
+from kvyard.engine.host_memory import keep_freed_memory
 from kvyard.engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from kvyard.engine.kv_handoff import HeldKV, select_blocks
 from kvyard.engine.model_runner import ModelRunner
@@ -64,6 +65,7 @@ class LLMEngine:
         device = torch.device(cfg.device)
         if device.type == "cpu":
             cpu_kernels.available()  # build (first run on a machine) or load them now, not in the first request
+            keep_freed_memory()
         num_blocks = num_blocks_for_budget(ckpt.config, cfg.block_size, cfg.dtype, cfg.kv_cache_memory,
                                            cfg.kv_cache_dtype)
         context = min(ckpt.config.max_position_embeddings, cfg.max_model_len or 1 << 62)
