@@ -30,6 +30,8 @@ def add_offline_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch1-requests", type=int, default=2, help="requests run one at a time for batch-1 numbers")
     p.add_argument("--repeats", type=int, default=3, help="rounds; the systems take turns in each")
     p.add_argument("--peers", default="hf", help="comma list of hf, llama.cpp, or none")
+    p.add_argument("--hf-in-process", action="store_true",
+                   help="run HF in this process (under kvyard's malloc settings) instead of its own")
     p.add_argument("--json-out", default=None)
     add_engine_args(p)
     p.set_defaults(func=run_offline_bench)
@@ -95,10 +97,10 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         return work, Workload(batch1, [args.output_len] * args.batch1_requests)
 
     wanted = {p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"}
-    hf_model = None
+    hf = None
     pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
     if "hf" in wanted:
-        hf_model = peers.load_hf_model(llm.engine.model_path, cfg.dtype)
+        hf = peers.HFPeer(llm.engine.model_path, cfg.dtype, torch.get_num_threads(), own_process=not args.hf_in_process)
     lcpp = None
     notes = []
     if "llama.cpp" in wanted:
@@ -109,24 +111,26 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     # Warm-up at full size, so one-time costs (kernel setup per shape, allocator growth) hit no round.
     warm, _ = workload(seed=args.repeats + 1)
     kvyard_batch(llm, warm)
-    if hf_model is not None:
-        peers.hf_static_batch(hf_model, warm, pad)
+    if hf is not None:
+        hf.static_batch(warm, pad)
     hits_before = llm.engine.blocks.hit_tokens
     rounds = []
     for r in range(args.repeats):
         work, single = workload(seed=r)
         row = {"kvyard.batch.tok_s": kvyard_batch(llm, work)}
-        if hf_model is not None:
-            row["hf.batch.tok_s"] = work.output_tokens / peers.hf_static_batch(hf_model, work, pad)
+        if hf is not None:
+            row["hf.batch.tok_s"] = work.output_tokens / hf.static_batch(work, pad)
         b1 = kvyard_batch1(llm, single)
         row["kvyard.batch1.tok_s"], row["kvyard.batch1.itl_ms"] = b1["output_tokens_per_s"], b1["itl_ms_p50"]
-        if hf_model is not None:
-            row["hf.batch1.tok_s"] = single.output_tokens / peers.hf_one_at_a_time(hf_model, single, pad)
+        if hf is not None:
+            row["hf.batch1.tok_s"] = single.output_tokens / hf.one_at_a_time(single, pad)
         if lcpp is not None:
             lc = lcpp.batch1(single)
             row["llama.cpp.batch1.tok_s"], row["llama.cpp.batch1.itl_ms"] = lc["output_tokens_per_s"], lc["itl_ms_p50"]
         print(f"round {r + 1}/{args.repeats}: " + ", ".join(f"{k}={v:.1f}" for k, v in row.items()), file=sys.stderr)
         rounds.append(row)
+    if hf is not None:
+        hf.close()
     med = _median_summary(rounds)
     result = {
         "model": llm.engine.model_path.name,
@@ -138,6 +142,7 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         "engine": {"max_num_batched_tokens": llm.engine.scheduler.token_budget, "block_size": cfg.block_size},
         # Prompt tokens kvyard served from its prefix cache in the timed rounds: 0 keeps the peers even.
         "kvyard_prefix_hit_tokens": llm.engine.blocks.hit_tokens - hits_before,
+        "hf_process": None if hf is None else ("shared" if args.hf_in_process else "own"),
         "median": med,
         "ratios": _ratios(rounds, med),
         "rounds": rounds,
