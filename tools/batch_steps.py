@@ -5,8 +5,10 @@ usage: python tools/batch_steps.py [ROUNDS]        one engine (LLM defaults), RO
                                                    batch by batch (the AMX matmuls against oneDNN's)
 
 Workload: 32 requests of random tokens, 128 in and 64 out, greedy, EOS ignored (kvyard bench offline's).
+Each batch also reports the process's minor page faults (KVYARD_KEEP_FREED_MEMORY=0 shows glibc's defaults).
 """
 import os
+import resource
 import statistics
 import sys
 import time
@@ -19,12 +21,13 @@ from kvyard.llm import LLM
 from kvyard.sampling_params import SamplingParams
 
 
-def run_batch(eng: LLMEngine, seed: int) -> tuple[float, float, float]:
-    """(total s, prefill s, median decode step s) for one batch."""
+def run_batch(eng: LLMEngine, seed: int) -> tuple[float, float, float, int]:
+    """(total s, prefill s, median decode step s, minor page faults) for one batch."""
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     for prompt in random_workload(eng.tokenizer, 32, 128, 64, seed=seed).prompts:
         eng.add_request(prompt, params)
     prefill, decode = [], []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     while eng.has_unfinished_requests():
         s = eng.scheduler
@@ -32,7 +35,8 @@ def run_batch(eng: LLMEngine, seed: int) -> tuple[float, float, float]:
         t = time.perf_counter()
         eng.step()
         (prefill if in_prefill else decode).append(time.perf_counter() - t)
-    return time.perf_counter() - start, sum(prefill), statistics.median(decode)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(prefill), statistics.median(decode), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
 
 def main() -> None:
@@ -42,7 +46,7 @@ def main() -> None:
     for name, flag in (("amx", "1"), ("onednn", "0")) if "--ab" in sys.argv else (("kvyard", os.environ.get("KVYARD_AMX", "1")),):
         os.environ["KVYARD_AMX"] = flag  # read when the weights are arranged at load
         engines[name] = LLM("smollm2-135m").engine
-    results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in engines}
+    results: dict[str, list[tuple[float, float, float, int]]] = {name: [] for name in engines}
     for r in range(rounds + 1):
         order = list(engines.items()) if r % 2 == 0 else list(reversed(engines.items()))
         for name, eng in order:
@@ -50,7 +54,8 @@ def main() -> None:
             if r > 0:  # the first round warms up
                 results[name].append(timing)
     for name, rows in results.items():
-        cells = ", ".join(f"{t:.2f} s (prefill {p:.2f} s, decode step {d * 1e3:.1f} ms)" for t, p, d in rows)
+        cells = ", ".join(f"{t:.2f} s (prefill {p:.2f} s, decode step {d * 1e3:.1f} ms, {f} page faults)"
+                          for t, p, d, f in rows)
         print(f"{name}: {cells}")
 
 
