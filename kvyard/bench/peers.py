@@ -76,7 +76,7 @@ class HFPeer:
 
     def _call(self, op: str, *args: Any) -> Any:
         if self._model is not None:
-            return {"static_batch": hf_static_batch, "one_at_a_time": hf_one_at_a_time}[op](self._model, *args)
+            return _HF_OPS[op](self._model, *args)
         assert self._conn is not None
         self._conn.send((op, args))
         ok, result = self._conn.recv()
@@ -97,16 +97,18 @@ class HFPeer:
             self._conn = None
 
 
+_HF_OPS = {"static_batch": hf_static_batch, "one_at_a_time": hf_one_at_a_time}
+
+
 def _serve_hf(conn: Connection, model_path: Path, dtype: torch.dtype, threads: int) -> None:
     torch.set_num_threads(threads)
-    ops = {"static_batch": hf_static_batch, "one_at_a_time": hf_one_at_a_time}
     model = load_hf_model(model_path, dtype)
     while True:
         op, args = conn.recv()
         if op == "stop":
             return
         try:
-            conn.send((True, None if op == "ready" else ops[op](model, *args)))
+            conn.send((True, None if op == "ready" else _HF_OPS[op](model, *args)))
         except Exception as exc:  # reported to the caller, which raises it
             conn.send((False, f"{type(exc).__name__}: {exc}"))
 

@@ -50,7 +50,7 @@ class AmxWeight:
 
     @property
     def nbytes(self) -> int:
-        """Resident bytes: the blocks and, where kept, oneDNN's copy."""
+        """Resident bytes: the blocks and, where kept, oneDNN's copies."""
         copies = ([self.onednn] if self.onednn is not None else []) + list(self.onednn_halves or ())
         return self.tiles.nbytes + sum(c.nbytes for c in copies)
 
@@ -82,17 +82,18 @@ def pack_weight(w: Weight, max_rows: int | None = None, gate_up: bool = False) -
     """
     if not isinstance(w, torch.Tensor) or not packable(w):
         return w
-    def reorder(m: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._reorder_linear_weight(m.contiguous(), _PACK_ROWS_HINT)
-
     if AmxWeight.fits(w) and cpu_kernels.amx_available():
         if max_rows is not None and max_rows <= AMX_MAX_ROWS:
             return AmxWeight.tile(w)
         if gate_up:
             gate, up = w.chunk(2)
-            return AmxWeight.tile(w, onednn_halves=(reorder(gate), reorder(up)))
-        return AmxWeight.tile(w, reorder(w))
-    return reorder(w)
+            return AmxWeight.tile(w, onednn_halves=(_onednn_layout(gate), _onednn_layout(up)))
+        return AmxWeight.tile(w, _onednn_layout(w))
+    return _onednn_layout(w)
+
+
+def _onednn_layout(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_ROWS_HINT)
 
 
 def gated_mlp_input(x: torch.Tensor, gate_up: Weight) -> torch.Tensor | None:
