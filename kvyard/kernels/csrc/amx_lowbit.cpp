@@ -5,7 +5,8 @@
 // buffer (exactly: these integers are bf16 values) and multiplied on the tiles; the scales (one per column
 // and group) and zero points are applied to each group's fp32 sum. The result is the fp32 sum of
 // x * (q - zp) * scale with no rounded weight in between, which is what PyTorch's own int8/int4 CPU
-// kernels compute.
+// kernels compute. A batch-1 step (int8: up to 4 rows) skips the tiles for AVX-512 dot products on the
+// same bytes (lowbit_gemv, below).
 //
 // Layouts (built by kvyard/quant/qlinear.py): int8 q in amx.h's VNNI blocks, [N/32, K/2, 32, 2] int8;
 // int4 q + 8 in the same order, two per byte, [N/32, K/2, 32] uint8: byte i of a 64-value VNNI row holds
