@@ -20,7 +20,9 @@ def main() -> None:
     gate_up = (torch.randn(3072, 576) / 24).bfloat16()
     down = pack_weight((torch.randn(576, 1536) / 40).bfloat16())
     fused, whole = pack_weight(gate_up, gate_up=True), pack_weight(gate_up)
-    assert gated_mlp_input(x := torch.randn(rows, 576).bfloat16(), fused) is not None, "needs AMX and rows > 512"
+    x = torch.randn(rows, 576).bfloat16()
+    if gated_mlp_input(x, fused) is None:
+        sys.exit("the fused form needs a CPU with AMX and more than 512 rows")
     forms = {
         "post-ops on the halves": lambda: linear(gated_mlp_input(x, fused), down),
         "gate|up, then silu_mul": lambda: linear(silu_mul(linear(x, whole)), down),

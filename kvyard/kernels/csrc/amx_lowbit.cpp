@@ -55,17 +55,22 @@ void widen<8>(const uint8_t* src, uint16_t* dst, int64_t k_blocks) {
 // binade [128, 256) steps by 1). The tiles then sum x * (q + kInt4Offset); the epilogue takes that back.
 constexpr float kInt4Offset = 136.0f;
 
+// One int4 VNNI row (32 bytes) as two vectors of bf16 pairs: columns 0-15 from the low nibbles, 16-31
+// from the high ones, each code u OR-ed into 128.0.
+inline void int4_row_to_bf16(const uint8_t* row, __m512i& lo, __m512i& hi) {
+  const __m512i nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
+  const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+  lo = _mm512_ternarylogic_epi32(bytes, nibble, bf16_128, 0xEA);  // (bytes & 0xF) | 128.0
+  hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(bytes, 4), nibble, bf16_128, 0xEA);
+}
+
 template <>
 void widen<4>(const uint8_t* src, uint16_t* dst, int64_t k_blocks) {
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-  const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
-  const int64_t rows = k_blocks * kTileK / 2;
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + r * kBlockCols));
-    const __m256i lo = _mm256_and_si256(bytes, low_nibbles), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles);
-    uint16_t* out = dst + r * 2 * kBlockCols;
-    _mm512_storeu_si512(out, _mm512_or_si512(_mm512_cvtepu8_epi16(lo), bf16_128));
-    _mm512_storeu_si512(out + kBlockCols, _mm512_or_si512(_mm512_cvtepu8_epi16(hi), bf16_128));
+  for (int64_t r = 0; r < k_blocks * kTileK / 2; ++r) {
+    __m512i lo, hi;
+    int4_row_to_bf16(src + r * kBlockCols, lo, hi);
+    _mm512_storeu_si512(dst + r * 2 * kBlockCols, lo);
+    _mm512_storeu_si512(dst + r * 2 * kBlockCols + kBlockCols, hi);
   }
 }
 
@@ -170,14 +175,12 @@ inline void store16(__m512 v, uint16_t* out) {
   store_row(tmp, 1.0f, reinterpret_cast<at::BFloat16*>(out), 16);
 }
 
-// int4, one row: a VNNI row's 32 bytes widen to two vectors of bf16 pairs, columns 0-15 (low nibbles)
-// and 16-31 (high), the code u OR-ed into bf16 128.0 as in widen<4>; one VDPBF16PS per half adds
+// int4, one row: each VNNI row widened in registers (int4_row_to_bf16); one VDPBF16PS per half adds
 // x * (q + 136) over the pair, and the offset comes back through the group sums.
 void gemv4_block(const uint16_t* x, const LowBitWeight& w, const float* sums, int64_t nb, int64_t n, int64_t k,
                  uint16_t* out) {
   const int64_t groups = num_groups(k, w.group), pairs = k / 2, n0 = nb * kBlockCols;
   const uint8_t* b = w.q + nb * pairs * kBlockCols;
-  const __m512i nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
   __m512 y[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int64_t g = 0; g < groups; ++g) {
     // Two VNNI rows per step into separate sums: one chain would wait on VDPBF16PS's latency.
@@ -186,9 +189,8 @@ void gemv4_block(const uint16_t* x, const LowBitWeight& w, const float* sums, in
     for (int64_t p = g * w.group / 2; p < p_end; p += 2) {
       prefetch_ahead(b + p * kBlockCols, 64);
       for (int u = 0; u < 2; ++u) {
-        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (p + u) * kBlockCols)));
-        const __m512i lo = _mm512_ternarylogic_epi32(bytes, nibble, bf16_128, 0xEA);  // (bytes & 0xF) | 128.0
-        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(bytes, 4), nibble, bf16_128, 0xEA);
+        __m512i lo, hi;
+        int4_row_to_bf16(b + (p + u) * kBlockCols, lo, hi);
         uint32_t pair;
         std::memcpy(&pair, x + 2 * (p + u), 4);
         const __m512bh xp = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(pair)));
