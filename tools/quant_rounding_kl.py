@@ -1,7 +1,8 @@
 """KL of rtn vs gptq rounding (`kvyard quantize --rounding`), on the calibration set (which GPTQ's Hessians also come from) and on held-out text.
 
-usage: python tools/quant_rounding_kl.py MODEL DTYPE [SCHEMES]
-       (writes bench-results/quant-rounding/kl_<model>_<dtype><TAG>.json; HESS=FILE takes the Hessians from FILE)
+usage: python tools/quant_rounding_kl.py MODEL DTYPE [SCHEMES [SCALING]]
+       (writes bench-results/quant-rounding/kl_<model>_<dtype><TAG>.json; HESS=FILE takes the Hessians from FILE;
+       SCALING is none (default) or awq, applied before either rounding; ROUNDINGS=rtn skips gptq)
 """
 import json
 import os
@@ -16,7 +17,7 @@ from kvyard.quant.plan import DEFAULT_PROTECT, is_protected, linear_units
 from kvyard.quant.qtensor import QuantizedTensor
 from kvyard.quant.scheme import parse_weight_scheme
 from kvyard.quant.search import UnitSwitch
-from kvyard.quant.tool import QuantizeOptions, load_reference, quantize_members
+from kvyard.quant.tool import QuantizeOptions, load_reference, quantize_members, scaled_reference
 
 HELD_OUT = [
     "The river rose slowly through the night, and by morning the lower fields were under water. Farmers "
@@ -53,22 +54,26 @@ def main() -> None:
     torch.set_num_threads(1)  # measured next to other work; KL does not depend on threads
     model_name, dtype = sys.argv[1], sys.argv[2]
     schemes = sys.argv[3].split(",") if len(sys.argv) > 3 else ["int8", "int4-g128"]
+    scaling = sys.argv[4] if len(sys.argv) > 4 else "none"
     opts = QuantizeOptions(model=model_name, scheme="int8", dtype=dtype, progress=False)
     t0 = time.perf_counter()
-    ref = load_reference(opts)
-    held = FidelityMeter(ref.model, build_calibration(ref.ckpt.tokenizer, HELD_OUT, 256).sequences[: len(HELD_OUT)])
-    print(f"loaded in {time.perf_counter() - t0:.1f}s; calib tokens {sum(map(len, ref.meter.sequences))}, "
+    source = load_reference(opts)
+    held = FidelityMeter(source.model, build_calibration(source.ckpt.tokenizer, HELD_OUT, 256).sequences[: len(HELD_OUT)])
+    print(f"loaded in {time.perf_counter() - t0:.1f}s; calib tokens {sum(map(len, source.meter.sequences))}, "
           f"held-out tokens {sum(map(len, held.sequences))}", flush=True)
-    units = [u for u in linear_units(ref.ckpt.config) if not is_protected(u, DEFAULT_PROTECT)]
+    units = [u for u in linear_units(source.ckpt.config) if not is_protected(u, DEFAULT_PROTECT)]
     hess_file = os.environ.get("HESS")  # Hessians from this text instead of the calibration set
-    seqs = ref.calib.sequences
+    seqs = source.calib.sequences
     if hess_file:
-        seqs = build_calibration(ref.ckpt.tokenizer, read_calib_file(hess_file), 256).sequences
+        seqs = build_calibration(source.ckpt.tokenizer, read_calib_file(hess_file), 256).sequences
     print(f"hessians from {hess_file or 'calib'}: {sum(map(len, seqs))} tokens", flush=True)
-    out = {"model": model_name, "dtype": dtype, "hessians": hess_file or "calib", "hessian_tokens":
+    out = {"model": model_name, "dtype": dtype, "scaling": scaling, "hessians": hess_file or "calib", "hessian_tokens":
            sum(map(len, seqs)), "results": []}
     for scheme in schemes:
-        for rounding in ("rtn", "gptq"):
+        ref = source
+        if scaling == "awq":  # the scales depend on the scheme; the source stays for the next one
+            ref, _ = scaled_reference(source, units, parse_weight_scheme(scheme), opts)
+        for rounding in os.environ.get("ROUNDINGS", "rtn,gptq").split(","):
             t = time.perf_counter()
             members = quantize_members(ref, units, parse_weight_scheme(scheme), rounding, seqs)
             q_s = time.perf_counter() - t
@@ -76,7 +81,7 @@ def main() -> None:
             switch = UnitSwitch(ref.model, fused, units)
             switch.apply({u.name for u in units})
             with torch.inference_mode():
-                res = {"scheme": scheme, "rounding": rounding, "quantize_s": q_s,
+                res = {"scheme": scheme, "rounding": rounding, "scaling": scaling, "quantize_s": q_s,
                        "calib": row(ref.meter.measure(ref.model)), "held_out": row(held.measure(ref.model))}
             switch.apply(set())
             out["results"].append(res)

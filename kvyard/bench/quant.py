@@ -1,6 +1,8 @@
 """`kvyard bench quant`: each quantization scheme against the unquantized model, in one run.
 
-Fidelity (KL, top-1, perplexity, tool-call JSON) comes from `kvyard quantize` itself; speed is decode
+Fidelity (KL, top-1, perplexity, tool-call JSON) comes from `kvyard quantize` itself, in the compute dtype
+(`--dtype`), and again from the saved checkpoint with both models in float32, which isolates the weights'
+rounding from bf16's own activation rounding; speed is decode
 tokens per second (speedups are against the unquantized model in the same dtype) with the prompt
 already prefilled, at batch 1 and at batch 32, with the models
 taking turns over `--repeats` rounds because this machine is noisy.
@@ -23,9 +25,17 @@ from kvyard.bench.workload import random_workload
 from kvyard.config import EngineConfig, parse_dtype
 from kvyard.llm import LLM
 from kvyard.loader.registry import resolve_model
+from kvyard.quant.awq import DEFAULT_SCALING, SCALINGS
+from kvyard.quant.fidelity import Fidelity
 from kvyard.quant.plan import DEFAULT_PROTECT
 from kvyard.quant.scheme import DEFAULT_ROUNDING, ROUNDINGS
-from kvyard.quant.tool import QuantizeOptions, QuantizeResult, kv_cache_fidelity, quantize_model
+from kvyard.quant.tool import (
+    QuantizeOptions,
+    QuantizeResult,
+    kv_cache_fidelity,
+    quantize_model,
+    saved_fidelity,
+)
 from kvyard.sampling_params import SamplingParams
 
 KV_INT8 = "kv-int8"  # not a weight scheme: dense weights with the int8 KV cache
@@ -41,6 +51,8 @@ def add_quant_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated layers kept dense, as for kvyard quantize (default: lm_head; '' for none)")
     p.add_argument("--rounding", choices=ROUNDINGS, default=DEFAULT_ROUNDING,
                    help="weight rounding, as for kvyard quantize: rtn (round to nearest) or gptq")
+    p.add_argument("--scaling", choices=SCALINGS, default=DEFAULT_SCALING,
+                   help="as for kvyard quantize: auto, awq (activation-aware column scales) or none")
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per measurement")
@@ -93,6 +105,11 @@ def _fidelity_row(r: QuantizeResult) -> dict:
     return row
 
 
+def _fp32_row(f: Fidelity) -> dict:
+    """The weights' (or the KV cache's) rounding alone: both models computed in float32."""
+    return {"kl_mean_fp32": f.kl_mean, "kl_p99_fp32": f.kl_p99, "top1_agreement_fp32": f.top1_agreement}
+
+
 def run_quant_bench(args: argparse.Namespace) -> int:
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -108,16 +125,18 @@ def run_quant_bench(args: argparse.Namespace) -> int:
         kv_dtypes[scheme] = "int8" if scheme == KV_INT8 else "auto"
         if scheme == KV_INT8:  # dense weights, int8 KV cache
             f = kv_cache_fidelity(QuantizeOptions(model=str(model_path), scheme="int8", dtype=args.dtype))
+            f32 = kv_cache_fidelity(QuantizeOptions(model=str(model_path), scheme="int8", dtype="float32"))
             fidelity[scheme] = {"kl_mean": f.kl_mean, "kl_p99": f.kl_p99, "top1_agreement": f.top1_agreement,
-                                "ppl_change": f.ppl_change}
+                                "ppl_change": f.ppl_change, **_fp32_row(f32)}
             paths[scheme] = str(model_path)
             print(f"{scheme}: {json.dumps(fidelity[scheme])}", file=sys.stderr)
             continue
         r = quantize_model(QuantizeOptions(model=str(model_path), scheme=scheme, out=out_root / scheme,
                                            kl_budget=args.kl_budget, mixed_weight=args.mixed_weight,
                                            dtype=args.dtype, sensitivity=scheme == "mixed", protect=protect,
-                                           rounding=args.rounding))
-        fidelity[scheme] = {**_fidelity_row(r), "quantize_s": time.perf_counter() - t0}
+                                           rounding=args.rounding, scaling=args.scaling))
+        f32 = saved_fidelity(model_path, out_root / scheme, "float32")
+        fidelity[scheme] = {**_fidelity_row(r), **_fp32_row(f32), "quantize_s": time.perf_counter() - t0}
         paths[scheme] = str(out_root / scheme)
         print(f"{scheme}: {json.dumps(fidelity[scheme])}", file=sys.stderr)
     engines = {name: LLM(config=EngineConfig(model=p, dtype=args.dtype, kv_cache_memory="1GiB",
@@ -141,7 +160,7 @@ def run_quant_bench(args: argparse.Namespace) -> int:
                 entry[f"speedup_b{b}_per_round"] = [round(rd[f"{name}.b{b}"] / rd[f"{base}.b{b}"], 3) for rd in rounds]
         table[name] = entry
     result = {
-        "model": model_path.name, "dtype": args.dtype, "rounding": args.rounding, "baseline": base, "machine": {"cpu_threads": torch.get_num_threads(),
+        "model": model_path.name, "dtype": args.dtype, "rounding": args.rounding, "scaling": args.scaling, "baseline": base, "machine": {"cpu_threads": torch.get_num_threads(),
                                                                     "platform": platform.platform()},
         "workload": {"input_len": args.input_len, "decode_steps": args.decode_steps, "batch_sizes": batches,
                      "repeats": args.repeats},

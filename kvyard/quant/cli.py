@@ -3,6 +3,7 @@
 import argparse
 from pathlib import Path
 
+from kvyard.quant.awq import DEFAULT_SCALING, SCALINGS
 from kvyard.quant.plan import DEFAULT_PROTECT
 from kvyard.quant.scheme import DEFAULT_ROUNDING, ROUNDINGS, SCHEME_HELP
 
@@ -16,6 +17,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         model=args.model, scheme=args.scheme, out=Path(args.out), calib=args.calib, kl_budget=args.kl_budget,
         protect=protect, mixed_weight=args.mixed_weight, dtype=args.dtype, max_seq_len=args.max_seq_len,
         sensitivity=not args.no_sensitivity, tool_eval=not args.no_tool_eval, rounding=args.rounding,
+        scaling=args.scaling,
     )
     result = quantize_model(opts)
     paths = write_report(result, Path(args.out))
@@ -43,6 +45,9 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounding", choices=ROUNDINGS, default=DEFAULT_ROUNDING,
                    help="rtn (default): round to nearest; gptq: GPTQ with Hessians from the calibration set "
                    "(the KL then reported is in-sample)")
+    p.add_argument("--scaling", choices=SCALINGS, default=DEFAULT_SCALING,
+                   help="awq: scale each layer's input channels by their activation size before rounding, "
+                   "folded into the op before it; none: plain rounding; auto (default): both, keep the lower KL")
     p.add_argument("--no-sensitivity", action="store_true", help="skip the per-layer sensitivity pass (not for mixed)")
     p.add_argument("--no-tool-eval", action="store_true", help="skip the tool-call JSON generation check")
     p.set_defaults(func=cmd_quantize)

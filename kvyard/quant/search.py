@@ -107,6 +107,12 @@ def value_order(sens: dict[str, Fidelity], params: Callable[[str], int]) -> list
 
 
 def searched_plan(search: PlanSearch, sens: dict[str, Fidelity], naive: SearchResult) -> SearchResult:
-    """Start from the naive plan, then try every remaining unit by value, skipping those that overshoot."""
+    """The better of two greedy passes by value, skipping units that overshoot: one continuing from the
+    naive plan, one from nothing. Joint KL is far from additive (on SmolLM2-135M the units of a 0.05 plan
+    summed to 0.18 alone), so which start packs more parameters is measured, not predicted."""
     order = value_order(sens, lambda n: search.switch.units[n].params)
-    return search.greedy(order, stop_at_first_miss=False, start=naive, desc="joint search")
+    continued = search.greedy(order, stop_at_first_miss=False, start=naive, desc="joint search (from naive)")
+    fresh = search.greedy(order, stop_at_first_miss=False, desc="joint search (by value)")
+    best = max((continued, fresh), key=lambda r: r.params)
+    best.evaluations = search.evaluations
+    return best

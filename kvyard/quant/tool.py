@@ -2,18 +2,20 @@
 
 import json
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from kvyard.config import parse_dtype
 from kvyard.errors import ConfigError
 from kvyard.loader.checkpoint import Checkpoint, load_checkpoint
 from kvyard.loader.registry import resolve_model
 from kvyard.models.decoder import DecoderModel
+from kvyard.quant.awq import DEFAULT_SCALING, SCALINGS, UnitScaling, scale_units
 from kvyard.quant.calib import (
     DEFAULT_TEXT,
     TOOL_CALL_OPENING,
@@ -24,6 +26,7 @@ from kvyard.quant.calib import (
 )
 from kvyard.quant.fidelity import Fidelity, FidelityMeter
 from kvyard.quant.gptq import gptq_quantize
+from kvyard.quant.hessian import collect_hessians
 from kvyard.quant.plan import (
     DEFAULT_PROTECT,
     Plan,
@@ -60,6 +63,7 @@ class QuantizeOptions:
     tool_eval: bool = True  # generate tool calls with both models and count valid JSON
     progress: bool = True
     rounding: str = DEFAULT_ROUNDING  # rtn, or gptq with Hessians from the calibration set
+    scaling: str = DEFAULT_SCALING  # awq, none, or auto: whichever measures better (kvyard.quant.awq)
 
 
 @dataclass
@@ -76,6 +80,8 @@ class QuantizeResult:
     out: Path | None = None
     dtype: str = "bfloat16"
     rounding: str = "rtn"
+    scaling: dict[str, UnitScaling] = field(default_factory=dict)  # per unit, when scaled
+    scaling_trial: dict[str, float] = field(default_factory=dict)  # --scaling auto: KL with and without
 
     @property
     def quantized_params(self) -> int:
@@ -86,6 +92,8 @@ class QuantizeResult:
 def check_options(opts: QuantizeOptions) -> QuantRequest:
     req = parse_quant_request(opts.scheme, opts.mixed_weight)
     check_rounding(opts.rounding)
+    if opts.scaling not in SCALINGS:
+        raise ConfigError(f"unknown scaling {opts.scaling!r}; choose {', '.join(SCALINGS)}", param="scaling")
     if req.mixed and opts.kl_budget is None:
         raise ConfigError("--scheme mixed needs --kl-budget (the largest mean KL the plan may reach)", param="kl_budget")
     if opts.kl_budget is not None and not opts.kl_budget > 0:
@@ -115,9 +123,54 @@ def load_reference(opts: QuantizeOptions) -> Reference:
     tensors = dict(ckpt.tensors())  # float32, as the checkpoint gives them
     texts = read_calib_file(opts.calib) if opts.calib else DEFAULT_TEXT
     calib = build_calibration(ckpt.tokenizer, texts, opts.max_seq_len)
+    model = _dense_model(ckpt, tensors, opts)
+    return Reference(ckpt, tensors, calib, model, FidelityMeter(model, calib.sequences))
+
+
+def _dense_model(ckpt: Checkpoint, tensors: dict[str, torch.Tensor], opts: QuantizeOptions) -> DecoderModel:
     model = DecoderModel(ckpt.config, parse_dtype(opts.dtype), torch.device("cpu"), max_positions=opts.max_seq_len + 1)
     model.load(tensors.items(), str(ckpt.path))
-    return Reference(ckpt, tensors, calib, model, FidelityMeter(model, calib.sequences))
+    return model
+
+
+def scaled_reference(ref: Reference, units: list[Unit], scheme: WeightScheme,
+                     opts: QuantizeOptions) -> tuple[Reference, dict[str, UnitScaling]]:
+    """`ref` with every unit scaled and folded (kvyard.quant.awq): its tensors and dense model compute what
+    the source does, and its meter still compares against the source itself."""
+    with torch.inference_mode():
+        hessians = collect_hessians(ref.model, units, ref.calib.sequences)
+
+    def bar(items: list[Unit]) -> list[Unit]:
+        return tqdm(items, desc="awq scales", unit="layer", disable=not opts.progress, leave=False)  # type: ignore[return-value]
+
+    tensors, chosen = scale_units(ref.tensors, ref.ckpt.config, units, hessians, scheme, bar)
+    return replace(ref, tensors=tensors, model=_dense_model(ref.ckpt, tensors, opts)), chosen
+
+
+def _uniform_kl(ref: Reference, units: list[Unit], scheme: WeightScheme) -> float:
+    """Mean KL with every unit rounded to nearest: what `--scaling auto` compares."""
+    members = quantize_members(ref, units, scheme, "rtn")
+    switch = UnitSwitch(ref.model, {u.name: QuantizedTensor.cat([members[m] for m in u.members]) for u in units}, units)
+    try:
+        return PlanSearch(switch, ref.meter, float("inf"), progress=False).measure({u.name for u in units}).kl_mean
+    finally:
+        switch.apply(set())  # the dense weights back, for the search that follows
+
+
+def choose_scaling(ref: Reference, units: list[Unit], scheme: WeightScheme,
+                   opts: QuantizeOptions) -> tuple[Reference, dict[str, UnitScaling], dict[str, float]]:
+    """The reference to quantize from, its per-unit scales, and (for `auto`) the KL each choice measured.
+
+    `auto` keeps AWQ where it measures better on the calibration set. That comparison is in-sample for the
+    scales: on SmolLM2-135M AWQ also lowered KL on held-out text (int8 3.6e-3 to 2.0e-3 in float32), but on
+    Qwen2.5-Coder-0.5B int8 `auto` picks it while held-out text measures it worse (BENCHMARKS.md)."""
+    if opts.scaling == "none":
+        return ref, {}, {}
+    scaled, chosen = scaled_reference(ref, units, scheme, opts)
+    if opts.scaling == "awq":
+        return scaled, chosen, {}
+    trial = {"none": _uniform_kl(ref, units, scheme), "awq": _uniform_kl(scaled, units, scheme)}
+    return (scaled, chosen, trial) if trial["awq"] < trial["none"] else (ref, {}, trial)
 
 
 def quantize_members(ref: Reference, units: list[Unit], scheme: WeightScheme, rounding: str,
@@ -137,6 +190,25 @@ def quantize_members(ref: Reference, units: list[Unit], scheme: WeightScheme, ro
     return sequential_gptq(ref.model, units, ref.calib.sequences if sequences is None else sequences, quantize_unit)
 
 
+def saved_fidelity(source: str | Path, quantized: str | Path, dtype: str = "float32", calib: str | None = None,
+                   max_seq_len: int = 256) -> Fidelity:
+    """Measure a saved quantized directory against its source from scratch, both computed in `dtype`.
+
+    In float32 this is the weights' rounding alone; in bfloat16 each side also rounds its activations, and
+    two different kernels round differently, which adds KL that no weight format can remove."""
+    def dense(path: str | Path, opts: QuantizeOptions) -> tuple[Checkpoint, DecoderModel]:
+        ckpt = load_checkpoint(resolve_model(str(path)))
+        return ckpt, _dense_model(ckpt, dict(ckpt.tensors()), opts)
+
+    opts = QuantizeOptions(model=str(source), scheme="int8", dtype=dtype, max_seq_len=max_seq_len, calib=calib)
+    ckpt, full = dense(source, opts)
+    texts = read_calib_file(calib) if calib else DEFAULT_TEXT
+    meter = FidelityMeter(full, build_calibration(ckpt.tokenizer, texts, max_seq_len).sequences)
+    _, quant = dense(quantized, opts)
+    with torch.inference_mode():
+        return meter.measure(quant)
+
+
 def kv_cache_fidelity(opts: QuantizeOptions) -> Fidelity:
     """The int8 KV cache alone (dense weights), measured like a weight scheme."""
     ref = load_reference(opts)
@@ -146,15 +218,17 @@ def kv_cache_fidelity(opts: QuantizeOptions) -> Fidelity:
 
 def quantize_model(opts: QuantizeOptions) -> QuantizeResult:
     req = check_options(opts)
-    ref = load_reference(opts)
+    source = load_reference(opts)
+    units = [u for u in linear_units(source.ckpt.config) if not is_protected(u, opts.protect)]
+    ref, scaling, trial = choose_scaling(source, units, req.weight, opts)
     ckpt, tensors, calib, model, meter = ref.ckpt, ref.tensors, ref.calib, ref.model, ref.meter
-    units = [u for u in linear_units(ckpt.config) if not is_protected(u, opts.protect)]
     # Each HF linear is quantized once: the search runs the fused units, the checkpoint stores the members.
     members = quantize_members(ref, units, req.weight, opts.rounding)
     quantized = {u.name: QuantizedTensor.cat([members[m] for m in u.members]) for u in units}
     search = PlanSearch(UnitSwitch(model, quantized, units), meter, opts.kl_budget or float("inf"), opts.progress)
     result = QuantizeResult(req, {}, units, [], fidelity=None,  # type: ignore[arg-type]
-                            dtype=opts.dtype, rounding=opts.rounding)
+                            dtype=opts.dtype, rounding=opts.rounding, scaling=scaling,
+                            scaling_trial=trial)
     if opts.sensitivity or req.mixed:
         result.sensitivity = search.sensitivities()
     if req.mixed:
@@ -203,8 +277,11 @@ def plan_record(result: QuantizeResult) -> dict[str, Any]:
         "scheme": result.request.scheme,
         "weight_format": result.request.weight.name,
         "rounding": result.rounding,
+        "scaling": "awq" if result.scaling else "none",
+        "scaling_trial_kl": result.scaling_trial or None,
         "units": [
             {"unit": u.name, "params": u.params, "quantized": u.name in chosen,
+             "awq_alpha": result.scaling[u.name].alpha if u.name in result.scaling else None,
              "sensitivity_kl": result.sensitivity[u.name].kl_mean if u.name in result.sensitivity else None}
             for u in result.units
         ],
