@@ -90,8 +90,12 @@ def test_auto_scaling_keeps_the_choice_that_measures_lower(tiny_checkpoint, tmp_
     src = tiny_checkpoint("llama")
     r = quantize_model(QuantizeOptions(model=str(src), scheme="int4-g32", out=tmp_path / "auto", dtype="float32",
                                        progress=False, max_seq_len=64, sensitivity=False, tool_eval=False))
+    # Judged on the calibration sequences the trial scales were not fitted on.
     assert set(r.scaling_trial) == {"none", "awq"}
     kept = "awq" if r.scaling else "none"
     assert r.scaling_trial[kept] == min(r.scaling_trial.values())
-    assert r.fidelity.kl_mean == pytest.approx(r.scaling_trial[kept], rel=1e-5)
+    if kept == "none":  # then nothing was scaled: the result is plain rounding, measured on every sequence
+        plain = quantize_model(QuantizeOptions(model=str(src), scheme="int4-g32", dtype="float32", progress=False,
+                                               max_seq_len=64, sensitivity=False, tool_eval=False, scaling="none"))
+        assert r.fidelity.kl_mean == pytest.approx(plain.fidelity.kl_mean, rel=1e-6)
     assert _measure_loaded(src, tmp_path / "auto") == pytest.approx(r.fidelity.kl_mean, rel=1e-4, abs=1e-9)
