@@ -33,6 +33,7 @@ from kvyard.quant.tool import (
     QuantizeOptions,
     QuantizeResult,
     kv_cache_fidelity,
+    load_reference,
     quantize_model,
     saved_fidelity,
 )
@@ -120,12 +121,13 @@ def run_quant_bench(args: argparse.Namespace) -> int:
     paths: dict[str, str] = {base: str(model_path)}
     protect = DEFAULT_PROTECT if args.protect is None else tuple(p for p in args.protect.split(",") if p)
     kv_dtypes = {base: "auto"}
+    fp32_source = load_reference(QuantizeOptions(model=str(model_path), scheme="int8", dtype="float32"))
     for scheme in schemes:
         t0 = time.perf_counter()
         kv_dtypes[scheme] = "int8" if scheme == KV_INT8 else "auto"
         if scheme == KV_INT8:  # dense weights, int8 KV cache
-            f = kv_cache_fidelity(QuantizeOptions(model=str(model_path), scheme="int8", dtype=args.dtype))
-            f32 = kv_cache_fidelity(QuantizeOptions(model=str(model_path), scheme="int8", dtype="float32"))
+            f = kv_cache_fidelity(load_reference(QuantizeOptions(model=str(model_path), scheme="int8", dtype=args.dtype)))
+            f32 = kv_cache_fidelity(fp32_source)
             fidelity[scheme] = {"kl_mean": f.kl_mean, "kl_p99": f.kl_p99, "top1_agreement": f.top1_agreement,
                                 "ppl_change": f.ppl_change, **_fp32_row(f32)}
             paths[scheme] = str(model_path)
@@ -135,7 +137,7 @@ def run_quant_bench(args: argparse.Namespace) -> int:
                                            kl_budget=args.kl_budget, mixed_weight=args.mixed_weight,
                                            dtype=args.dtype, sensitivity=scheme == "mixed", protect=protect,
                                            rounding=args.rounding, scaling=args.scaling))
-        f32 = saved_fidelity(model_path, out_root / scheme, "float32")
+        f32 = saved_fidelity(fp32_source, out_root / scheme)
         fidelity[scheme] = {**_fidelity_row(r), **_fp32_row(f32), "quantize_s": time.perf_counter() - t0}
         paths[scheme] = str(out_root / scheme)
         print(f"{scheme}: {json.dumps(fidelity[scheme])}", file=sys.stderr)

@@ -25,7 +25,7 @@ from kvyard.quant.plan import Unit
 from kvyard.quant.qtensor import QuantizedTensor
 from kvyard.quant.scheme import WeightScheme
 
-SCALINGS = ("auto", "awq", "none")  # auto: quantize both ways, keep the lower calibration KL
+SCALINGS = ("auto", "awq", "none")  # auto: kvyard.quant.tool.choose_scaling decides on held-back calibration text
 DEFAULT_SCALING = "auto"
 ALPHAS = tuple(i / 10 for i in range(1, 11))  # alpha = 0 (no scaling) is always a candidate too
 # Units whose fold changes another unit's weight go first, so that unit is searched on what it will store.
@@ -69,13 +69,16 @@ def search_scale(w: torch.Tensor, hessian: torch.Tensor, scheme: WeightScheme,
     return best[0], best[1], best[2] / base if base > 0 else 1.0
 
 
+def _by_kv_head(cfg: ModelConfig, s: torch.Tensor) -> torch.Tensor:
+    """o_proj's input channels as [KV head, query head of its group, channel]."""
+    return s.view(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
+
+
 def _kv_tie(cfg: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     """One scale per KV channel for o_proj's input: the mean over the query heads of a group."""
-    group = cfg.num_heads // cfg.num_kv_heads
-
     def tie(s: torch.Tensor) -> torch.Tensor:
-        per_kv = s.view(cfg.num_kv_heads, group, cfg.head_dim).mean(1, keepdim=True)
-        return per_kv.expand(-1, group, -1).reshape(-1)
+        grouped = _by_kv_head(cfg, s)
+        return grouped.mean(1, keepdim=True).expand_as(grouped).reshape(-1)
 
     return tie
 
@@ -98,8 +101,7 @@ def fold(tensors: Tensors, cfg: ModelConfig, unit: Unit, s: torch.Tensor) -> Non
     elif unit.attr == "down":
         _divide_rows(tensors, p + "mlp.up_proj", s)
     elif unit.attr == "o":
-        group = cfg.num_heads // cfg.num_kv_heads
-        _divide_rows(tensors, p + "self_attn.v_proj", s.view(cfg.num_kv_heads, group, cfg.head_dim)[:, 0].reshape(-1))
+        _divide_rows(tensors, p + "self_attn.v_proj", _by_kv_head(cfg, s)[:, 0].reshape(-1))
     else:
         raise ValueError(f"no op to fold the scale of {unit.name} into")
 

@@ -116,6 +116,7 @@ class Reference:
     calib: Calibration
     model: DecoderModel
     meter: FidelityMeter
+    opts: QuantizeOptions  # dtype and sequence length of every model built against it
 
 
 def load_reference(opts: QuantizeOptions) -> Reference:
@@ -124,7 +125,7 @@ def load_reference(opts: QuantizeOptions) -> Reference:
     texts = read_calib_file(opts.calib) if opts.calib else DEFAULT_TEXT
     calib = build_calibration(ckpt.tokenizer, texts, opts.max_seq_len)
     model = _dense_model(ckpt, tensors, opts)
-    return Reference(ckpt, tensors, calib, model, FidelityMeter(model, calib.sequences))
+    return Reference(ckpt, tensors, calib, model, FidelityMeter(model, calib.sequences), opts)
 
 
 def _dense_model(ckpt: Checkpoint, tensors: dict[str, torch.Tensor], opts: QuantizeOptions) -> DecoderModel:
@@ -199,28 +200,18 @@ def quantize_members(ref: Reference, units: list[Unit], scheme: WeightScheme, ro
     return sequential_gptq(ref.model, units, ref.calib.sequences if sequences is None else sequences, quantize_unit)
 
 
-def saved_fidelity(source: str | Path, quantized: str | Path, dtype: str = "float32", calib: str | None = None,
-                   max_seq_len: int = 256) -> Fidelity:
-    """Measure a saved quantized directory against its source from scratch, both computed in `dtype`.
-
-    In float32 this is the weights' rounding alone; in bfloat16 each side also rounds its activations, and
-    two different kernels round differently, which adds KL that no weight format can remove."""
-    def dense(path: str | Path, opts: QuantizeOptions) -> tuple[Checkpoint, DecoderModel]:
-        ckpt = load_checkpoint(resolve_model(str(path)))
-        return ckpt, _dense_model(ckpt, dict(ckpt.tensors()), opts)
-
-    opts = QuantizeOptions(model=str(source), scheme="int8", dtype=dtype, max_seq_len=max_seq_len, calib=calib)
-    ckpt, full = dense(source, opts)
-    texts = read_calib_file(calib) if calib else DEFAULT_TEXT
-    meter = FidelityMeter(full, build_calibration(ckpt.tokenizer, texts, max_seq_len).sequences)
-    _, quant = dense(quantized, opts)
+def saved_fidelity(ref: Reference, quantized: str | Path) -> Fidelity:
+    """Measure a saved quantized directory from scratch against `ref` (its source, from load_reference), in
+    ref's dtype. In float32 this is the weights' rounding alone; in bfloat16 each side also rounds its
+    activations, and two different kernels round differently, which adds KL no weight format can remove."""
+    ckpt = load_checkpoint(resolve_model(str(quantized)))
+    model = _dense_model(ckpt, dict(ckpt.tensors()), ref.opts)
     with torch.inference_mode():
-        return meter.measure(quant)
+        return ref.meter.measure(model)
 
 
-def kv_cache_fidelity(opts: QuantizeOptions) -> Fidelity:
+def kv_cache_fidelity(ref: Reference) -> Fidelity:
     """The int8 KV cache alone (dense weights), measured like a weight scheme."""
-    ref = load_reference(opts)
     with torch.inference_mode():
         return ref.meter.measure(ref.model, kv_int8=True)
 

@@ -18,3 +18,7 @@ def test_bench_quant_tiny(tiny_checkpoint, tmp_path):
     for name in ("int8", "int4-g32"):
         assert table[name]["kl_mean"] > 0 and table[name]["decode_tok_s_b4"] > 0
         assert table[name]["speedup_b1"] > 0
+    # With --dtype float32 the re-measure of each saved checkpoint (and of the KV cache) in float32 is the
+    # same measurement as the one made while quantizing.
+    for name in ("int8", "int4-g32", "kv-int8"):
+        assert abs(table[name]["kl_mean_fp32"] - table[name]["kl_mean"]) <= 1e-4 * table[name]["kl_mean"] + 1e-9

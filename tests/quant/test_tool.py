@@ -11,7 +11,7 @@ from kvyard.errors import ConfigError
 from kvyard.llm import LLM
 from kvyard.quant.calib import valid_tool_call
 from kvyard.quant.qlinear import Int4Linear
-from kvyard.quant.tool import QuantizeOptions, quantize_model, saved_fidelity
+from kvyard.quant.tool import QuantizeOptions, load_reference, quantize_model, saved_fidelity
 from kvyard.sampling_params import SamplingParams
 
 
@@ -22,7 +22,8 @@ def _opts(path, out, **kw) -> QuantizeOptions:
 
 def _measure_loaded(src, out) -> float:
     """Re-measure the mean KL of the saved directory from scratch, against the source checkpoint."""
-    return saved_fidelity(src, out, "float32", max_seq_len=64).kl_mean
+    source = load_reference(QuantizeOptions(model=str(src), scheme="int8", dtype="float32", max_seq_len=64))
+    return saved_fidelity(source, out).kl_mean
 
 
 def test_mixed_plan_respects_budget_and_protects_head(tiny_checkpoint, tmp_path):
