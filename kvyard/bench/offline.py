@@ -5,7 +5,6 @@ median of each figure and the ratio of the medians (with every round's ratio nex
 """
 
 import argparse
-import platform
 import statistics
 import sys
 import time
@@ -13,7 +12,7 @@ import time
 import torch
 
 from kvyard.bench import peers
-from kvyard.bench.output import emit_json
+from kvyard.bench.output import emit_json, machine_info
 from kvyard.bench.workload import Workload, random_workload
 from kvyard.cli.engine_args import add_engine_args, engine_config_from_args
 from kvyard.llm import LLM
@@ -138,7 +137,7 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         "workload": {"num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
                      "range_ratio": args.range_ratio, "input_tokens": work.input_tokens,
                      "output_tokens": work.output_tokens, "batch1_requests": args.batch1_requests},
-        "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform()},
+        "machine": machine_info(),
         "engine": {"max_num_batched_tokens": llm.engine.scheduler.token_budget, "block_size": cfg.block_size},
         # Prompt tokens kvyard served from its prefix cache in the timed rounds: 0 keeps the peers even.
         "kvyard_prefix_hit_tokens": llm.engine.blocks.hit_tokens - hits_before,

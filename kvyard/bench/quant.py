@@ -1,26 +1,22 @@
 """`kvyard bench quant`: each quantization scheme against the unquantized model, in one run.
 
 Fidelity (KL, top-1, perplexity, tool-call JSON) comes from `kvyard quantize` itself, in the compute dtype
-(`--dtype`), and again from the saved checkpoint with both models in float32, which isolates the weights'
-rounding from bf16's own activation rounding; speed is decode
-tokens per second (speedups are against the unquantized model in the same dtype) with the prompt
-already prefilled, at batch 1 and at batch 32, with the models
-taking turns over `--repeats` rounds because this machine is noisy.
+(`--fidelity-dtype`, by default `--dtype`), and again from the saved checkpoint with both models in float32,
+which isolates the weights' rounding from bf16's own activation rounding. Speed is decode tokens per second
+(speedups are against the unquantized model in the same dtype) with the prompt already prefilled, at batch 1
+and at batch 32, the models taking turns over `--repeats` rounds because this machine is noisy.
 """
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from kvyard.bench.decode_steps import timed_decode_steps
-from kvyard.bench.output import emit_json
+from kvyard.bench.output import emit_json, machine_info
 from kvyard.bench.workload import random_workload
 from kvyard.config import EngineConfig, parse_dtype
 from kvyard.llm import LLM
@@ -58,7 +54,10 @@ def add_quant_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per measurement")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype of every model timed")
+    p.add_argument("--fidelity-dtype", default=None,
+                   help="compute dtype while quantizing and measuring KL (default: --dtype); float32 keeps bf16's "
+                   "own activation rounding out of the KL a mixed plan is held to")
     p.add_argument("--out-dir", default=None, help="keep the quantized checkpoints here (default: a temp dir)")
     p.add_argument("--json-out", default=None)
     p.set_defaults(func=run_quant_bench)
@@ -121,12 +120,13 @@ def run_quant_bench(args: argparse.Namespace) -> int:
     paths: dict[str, str] = {base: str(model_path)}
     protect = DEFAULT_PROTECT if args.protect is None else tuple(p for p in args.protect.split(",") if p)
     kv_dtypes = {base: "auto"}
+    measure_dtype = args.fidelity_dtype or args.dtype
     fp32_source = load_reference(QuantizeOptions(model=str(model_path), scheme="int8", dtype="float32"))
     for scheme in schemes:
         t0 = time.perf_counter()
         kv_dtypes[scheme] = "int8" if scheme == KV_INT8 else "auto"
         if scheme == KV_INT8:  # dense weights, int8 KV cache
-            f = kv_cache_fidelity(load_reference(QuantizeOptions(model=str(model_path), scheme="int8", dtype=args.dtype)))
+            f = kv_cache_fidelity(load_reference(QuantizeOptions(model=str(model_path), scheme="int8", dtype=measure_dtype)))
             f32 = kv_cache_fidelity(fp32_source)
             fidelity[scheme] = {"kl_mean": f.kl_mean, "kl_p99": f.kl_p99, "top1_agreement": f.top1_agreement,
                                 "ppl_change": f.ppl_change, **_fp32_row(f32)}
@@ -135,7 +135,7 @@ def run_quant_bench(args: argparse.Namespace) -> int:
             continue
         r = quantize_model(QuantizeOptions(model=str(model_path), scheme=scheme, out=out_root / scheme,
                                            kl_budget=args.kl_budget, mixed_weight=args.mixed_weight,
-                                           dtype=args.dtype, sensitivity=scheme == "mixed", protect=protect,
+                                           dtype=measure_dtype, sensitivity=scheme == "mixed", protect=protect,
                                            rounding=args.rounding, scaling=args.scaling))
         f32 = saved_fidelity(fp32_source, out_root / scheme)
         fidelity[scheme] = {**_fidelity_row(r), **_fp32_row(f32), "quantize_s": time.perf_counter() - t0}
@@ -162,8 +162,7 @@ def run_quant_bench(args: argparse.Namespace) -> int:
                 entry[f"speedup_b{b}_per_round"] = [round(rd[f"{name}.b{b}"] / rd[f"{base}.b{b}"], 3) for rd in rounds]
         table[name] = entry
     result = {
-        "model": model_path.name, "dtype": args.dtype, "rounding": args.rounding, "scaling": args.scaling, "baseline": base, "machine": {"cpu_threads": torch.get_num_threads(),
-                                                                    "platform": platform.platform()},
+        "model": model_path.name, "dtype": args.dtype, "fidelity_dtype": measure_dtype, "rounding": args.rounding, "scaling": args.scaling, "baseline": base, "machine": machine_info(),
         "workload": {"input_len": args.input_len, "decode_steps": args.decode_steps, "batch_sizes": batches,
                      "repeats": args.repeats},
         "schemes": table, "rounds": rounds, "checkpoints": str(out_root),

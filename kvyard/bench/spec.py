@@ -10,16 +10,13 @@ The load row submits `--concurrency` requests at once, adaptive speculation on a
 """
 
 import argparse
-import platform
 import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
-from kvyard.bench.output import emit_json
+from kvyard.bench.output import emit_json, machine_info
 from kvyard.llm import LLM
 from kvyard.sampling_params import SamplingParams
 from kvyard.spec.decoding import SpeculativeDecoding
@@ -239,7 +236,7 @@ def markdown(result: dict) -> str:
 def run_spec_bench(args: argparse.Namespace) -> int:
     rows, notes = plan_rows(args)
     engines = Engines(args)
-    result: dict = {"machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform()},
+    result: dict = {"machine": machine_info(),
                     "dtype": args.dtype, "repeats": args.repeats, "num_speculative_tokens": args.num_speculative_tokens,
                     "rows": [], "notes": notes}
     for row in rows:

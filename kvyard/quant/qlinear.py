@@ -6,6 +6,7 @@ Those kernels are tuned for few rows, though; a prefill chunk of hundreds of row
 and runs several times faster by dequantizing the weight once and taking the bf16/fp32 GEMM.
 """
 
+import functools
 from typing import Protocol
 
 import torch
@@ -18,7 +19,12 @@ from kvyard.quant.qtensor import QuantizedTensor
 # Above this many rows, dequantize-then-GEMM beats the low-bit kernels on this CPU
 # (SmolLM2 layer shapes on this 2-core Xeon: at 32 rows the kernels win 2-3x, at 512 rows they lose 4-14x).
 KERNEL_MAX_ROWS = 64
-_INT4_TILE = 64  # the CPU int4 kernel packs 64 output rows per tile: row r low nibble, row r+32 high
+_INT4_TILE = 64  # output rows are padded to whole tiles of the widest packing below
+# PyTorch packs int4 weights for its CPU kernel by the instruction set it was dispatched to: in tiles of
+# 64 output rows with AVX-512, 32 with AVX2; byte j of a tile's k-th run holds row j in its low nibble and
+# row j + tile/2 in its high one.
+_INT4_PACKINGS = (64, 32)
+_INT4_RUN = 32  # kvyard's portable kernel packs int4 codes in runs of 32 values
 # The bf16 int8 kernel reads K in steps of 32 and returns garbage (or crashes) on a ragged tail.
 _INT8_K_STEP = 32
 
@@ -102,8 +108,7 @@ class Int4Linear(_PaddedInput):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] in `dtype`, unpacked from the kernel layout (so no second copy is kept)."""
-        tiles = self.packed.view(self.n_pad // _INT4_TILE, self.k_pad, _INT4_TILE // 2)
-        u = torch.cat([tiles & 0xF, tiles >> 4], dim=-1).transpose(1, 2).reshape(self.n_pad, self.k_pad)
+        u = _unpack_int4(self.packed, self.n_pad, self.k_pad, _int4_packing())
         sz = self.scale_zero.to(dtype).repeat_interleave(self.group_size, dim=0)  # [k_pad, n_pad, 2]
         w = (u.to(dtype) - 8) * sz[..., 0].t() + sz[..., 1].t()
         return w[: self.out_features, : self.in_features]
@@ -111,6 +116,33 @@ class Int4Linear(_PaddedInput):
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scale_zero.nbytes
+
+
+def _unpack_int4(packed: torch.Tensor, n: int, k: int, tile: int) -> torch.Tensor:
+    """The [n, k] codes of `_convert_weight_to_int4pack_for_cpu`'s output, read as tiles of `tile` rows."""
+    tiles = packed.view(n // tile, k, tile // 2)
+    return torch.cat([tiles & 0xF, tiles >> 4], dim=-1).transpose(1, 2).reshape(n, k)
+
+
+@functools.cache
+def _int4_packing() -> int:
+    """The tile width this PyTorch build packs int4 weights in here: the one that reads a random probe back."""
+    codes = torch.randint(0, 16, (_INT4_TILE, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    for tile in _INT4_PACKINGS:
+        if torch.equal(_unpack_int4(packed, *codes.shape, tile).to(torch.int32), codes):
+            return tile
+    raise RuntimeError("PyTorch's CPU int4 packing is neither of the known layouts; int4 weights cannot be read back")
+
+
+def _scaled(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
+            dtype: torch.dtype) -> torch.Tensor:
+    """values [N, K] * scale + zero, with scale and zero [N, groups] applied group by group, in `dtype`."""
+    k = values.shape[1]
+    w = values * scale.repeat_interleave(group, dim=1)[:, :k]
+    if zero is not None:
+        w = w + zero.repeat_interleave(group, dim=1)[:, :k]
+    return w.to(dtype)
 
 
 class AmxLowBitLinear:
@@ -150,11 +182,55 @@ class AmxLowBitLinear:
         return vnni.from_blocks(rows.view(*self.q.shape[:2], vnni.BLOCK_COLS, 2))
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        k = self.in_features
-        w = self._values() * self.scale.t().repeat_interleave(self.group_size, dim=1)[:, :k]
-        if self.zero is not None:
-            w = w + self.zero.t().repeat_interleave(self.group_size, dim=1)[:, :k]
-        return w.to(dtype)
+        zero = None if self.zero is None else self.zero.t()
+        return _scaled(self._values(), self.scale.t(), zero, self.group_size, dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes + (0 if self.zero is None else self.zero.nbytes)
+
+
+class PlainLowBitLinear(_PaddedInput):
+    """int8 (per channel) or int4 (per group) weight for kvyard's portable kernel (csrc/lowbit_linear.cpp),
+    which streams it at close to memory speed for a decode step's rows on CPUs without AMX: q row-major
+    (int4: codes q + 8, two per byte, each run of 32 values as 16 bytes with value j low and j + 16 high),
+    scales and zero terms [N, groups] fp32. Prefill-sized calls dequantize and take the dense GEMM."""
+
+    def __init__(self, qt: QuantizedTensor):
+        self.out_features, self.in_features = n, k = qt.shape
+        self.bits, self.group_size = qt.scheme.bits, qt.group_size
+        self.k_pad = -(-k // _INT4_RUN) * _INT4_RUN if self.bits == 4 else k
+        q = F.pad(qt.q, (0, self.k_pad - k))
+        if self.bits == 8:
+            self.q = q.contiguous()
+        else:
+            runs = (q + 8).to(torch.uint8).view(n, self.k_pad // _INT4_RUN, 2, _INT4_RUN // 2)
+            self.q = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, self.k_pad // 2).contiguous()
+        self.scale = qt.scale.float().contiguous()
+        # w = (q - zp) * scale = q * scale + zero, zero = -zp * scale
+        self.zero = None if qt.zero_point is None else (-qt.zero_point.float() * qt.scale).contiguous()
+
+    @classmethod
+    def fits(cls, qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> bool:
+        return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                and (qt.scheme.bits == 8 or qt.group_size % _INT4_RUN == 0) and cpu_kernels.available())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= KERNEL_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+            return torch.ops.kvyard.lowbit_linear(self._pad_x(x).contiguous(), self.q, self.scale, self.zero,
+                                                  self.bits, self.group_size)
+        return F.linear(x, self.dequantize(x.dtype))
+
+    def _values(self) -> torch.Tensor:
+        """q as float32 [N, K]."""
+        if self.bits == 8:
+            return self.q.float()[:, : self.in_features]
+        runs = self.q.view(self.out_features, -1, _INT4_RUN // 2)
+        u = torch.cat([runs & 0xF, runs >> 4], dim=-1).reshape(self.out_features, self.k_pad)
+        return u[:, : self.in_features].float() - 8
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return _scaled(self._values(), self.scale, self.zero, self.group_size, dtype)
 
     @property
     def nbytes(self) -> int:
@@ -162,6 +238,9 @@ class AmxLowBitLinear:
 
 
 def make_linear(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> QuantizedLinear:
+    """The fastest low-bit form here: kvyard's AMX kernel, else its portable kernel, else PyTorch's own."""
     if AmxLowBitLinear.fits(qt, dtype, device):
         return AmxLowBitLinear(qt)
+    if PlainLowBitLinear.fits(qt, dtype, device):
+        return PlainLowBitLinear(qt)
     return Int8Linear(qt, dtype, device) if qt.scheme.bits == 8 else Int4Linear(qt, dtype, device)

@@ -22,3 +22,19 @@ def test_bench_quant_tiny(tiny_checkpoint, tmp_path):
     # same measurement as the one made while quantizing.
     for name in ("int8", "int4-g32", "kv-int8"):
         assert abs(table[name]["kl_mean_fp32"] - table[name]["kl_mean"]) <= 1e-4 * table[name]["kl_mean"] + 1e-9
+
+
+def test_bench_quant_measures_fidelity_in_its_own_dtype(tiny_checkpoint, tmp_path):
+    """--fidelity-dtype float32 quantizes and measures in float32 while the timed models run in bf16: the KL
+    then equals the float32 re-measure of the saved checkpoint."""
+    out = tmp_path / "quant.json"
+    rc = main(["bench", "quant", "--model", str(tiny_checkpoint("llama")), "--schemes", "int8",
+               "--batch-sizes", "1", "--input-len", "8", "--decode-steps", "2", "--repeats", "1",
+               "--dtype", "bfloat16", "--fidelity-dtype", "float32", "--json-out", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert (result["dtype"], result["fidelity_dtype"]) == ("bfloat16", "float32")
+    assert set(result["schemes"]) == {"bfloat16", "int8"}
+    row = result["schemes"]["int8"]
+    assert row["kl_mean"] > 0 and abs(row["kl_mean_fp32"] - row["kl_mean"]) <= 1e-4 * row["kl_mean"] + 1e-9
+    assert result["machine"]["cpu_threads"] >= 1 and "platform" in result["machine"]

@@ -87,6 +87,13 @@ def test_bad_inputs_raise():
         torch.ops.kvyard.paged_decode_attention(q[:, :3], cache.k, cache.v, None, None, blocks, lens, 4, 0.25)
 
 
+def _rtol(dtype: torch.dtype) -> float:
+    """fp32: tight. bf16: two ulps (2 * 2^-7), PyTorch's own default for bf16. The kernel reduces the sum of
+    squares in another order than PyTorch (8 lanes with AVX2, 16 with AVX-512), which can move the normalised
+    value across a rounding boundary (one ulp) before the product with the weight is rounded (a second)."""
+    return 1e-5 if dtype == torch.float32 else 1.6e-2
+
+
 def _hf_rms_norm(x, weight, eps):
     """HF's LlamaRMSNorm: normalise in fp32, cast back, then scale in the model dtype."""
     xf = x.float()
@@ -99,7 +106,7 @@ def _hf_rms_norm(x, weight, eps):
 def test_rms_norm_matches_hf(dtype, rows):
     x, w = torch.randn(rows, 576).to(dtype), torch.randn(576).to(dtype)
     out = torch.ops.kvyard.rms_norm(x, w, 1e-5)
-    torch.testing.assert_close(out, _hf_rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 8e-3)
+    torch.testing.assert_close(out, _hf_rms_norm(x, w, 1e-5), atol=1e-5, rtol=_rtol(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -109,7 +116,7 @@ def test_add_rms_norm_updates_the_residual_like_add_(dtype):
     out = torch.ops.kvyard.add_rms_norm_(x, delta, w, 1e-6)
     assert torch.equal(x, expected_x)  # one rounding of the sum, written back in place
     torch.testing.assert_close(out, _hf_rms_norm(expected_x, w, 1e-6), atol=1e-5,
-                               rtol=1e-5 if dtype == torch.float32 else 8e-3)
+                               rtol=_rtol(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -118,7 +125,7 @@ def test_silu_mul_matches_torch(dtype):
     gate, up = gate_up.chunk(2, dim=-1)
     expected = F.silu(gate) * up
     torch.testing.assert_close(torch.ops.kvyard.silu_mul(gate_up), expected, atol=1e-5,
-                               rtol=1e-5 if dtype == torch.float32 else 8e-3)
+                               rtol=_rtol(dtype))
 
 
 def test_norm_and_silu_reject_bad_shapes():

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kvyard.quant.qlinear import KERNEL_MAX_ROWS, Int4Linear, Int8Linear, make_linear
+from kvyard.kernels import cpu as cpu_kernels
+from kvyard.quant.qlinear import KERNEL_MAX_ROWS, Int4Linear, Int8Linear, PlainLowBitLinear, make_linear
 from kvyard.quant.qtensor import QuantizedTensor
 from kvyard.quant.scheme import parse_weight_scheme
 
@@ -40,3 +41,21 @@ def test_low_bit_weights_are_smaller():
     dense = w.bfloat16().nbytes
     assert int8.nbytes < 0.52 * dense
     assert int4.nbytes < 0.27 * dense
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="kvyard's CPU kernels did not build here")
+@pytest.mark.parametrize("name", ["int8", "int4-g32", "int4-g64-asym", "int4-g128"])
+@pytest.mark.parametrize("shape", [(98, 200), (128, 576), (7, 96)])  # rows not in whole blocks of four
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, KERNEL_MAX_ROWS + 9])
+def test_portable_kernel_matches_dequantized_reference(name, shape, rows):
+    """kvyard's portable low-bit kernel (the one CPUs without AMX take), whatever this machine prefers."""
+    torch.manual_seed(0)
+    qt = QuantizedTensor.quantize(torch.randn(shape), parse_weight_scheme(name))
+    lin = PlainLowBitLinear(qt)
+    assert torch.allclose(lin.dequantize(torch.float32), qt.dequantize(), atol=1e-6)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        x = torch.randn(rows, shape[1]).to(dtype)
+        ref = x.double() @ qt.dequantize().double().T
+        y = lin(x)
+        assert y.shape == (rows, shape[0]) and y.dtype == dtype
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < tol
