@@ -145,7 +145,24 @@ def _scaled(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
     return w.to(dtype)
 
 
-class AmxLowBitLinear:
+class _KvyardLowBit:
+    """What kvyard's two low-bit forms share: codes `q`, fp32 scales and zero terms, their bytes."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+
+    @staticmethod
+    def _zero_term(qt: QuantizedTensor) -> torch.Tensor | None:
+        """w = (q - zp) * scale = q * scale + zero, so zero = -zp * scale, [N, groups]."""
+        return None if qt.zero_point is None else -qt.zero_point.float() * qt.scale
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes + (0 if self.zero is None else self.zero.nbytes)
+
+
+class AmxLowBitLinear(_KvyardLowBit):
     """int8 (per channel) or int4 (per group) weight for kvyard's AMX kernel (csrc/amx_lowbit.cpp): q in
     VNNI blocks of 32 output columns (int4: q + 8, two per byte), scales and zero terms as [groups, N] fp32.
     y = sum over groups of scale * (x . q) + zero * sum(x): the exact fp32 result, no rounded weight."""
@@ -160,8 +177,8 @@ class AmxLowBitLinear:
             rows = (blocks + 8).to(torch.uint8).reshape(n // vnni.BLOCK_COLS, k // 2, 2 * vnni.BLOCK_COLS)
             self.q = (rows[..., : vnni.BLOCK_COLS] | (rows[..., vnni.BLOCK_COLS :] << 4)).contiguous()
         self.scale = qt.scale.t().contiguous()
-        # w = (q - zp) * scale = q * scale + zero, zero = -zp * scale
-        self.zero = None if qt.zero_point is None else (-qt.zero_point.float() * qt.scale).t().contiguous()
+        zero = self._zero_term(qt)
+        self.zero = None if zero is None else zero.t().contiguous()
 
     @classmethod
     def fits(cls, qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> bool:
@@ -185,12 +202,9 @@ class AmxLowBitLinear:
         zero = None if self.zero is None else self.zero.t()
         return _scaled(self._values(), self.scale.t(), zero, self.group_size, dtype)
 
-    @property
-    def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes + (0 if self.zero is None else self.zero.nbytes)
 
 
-class PlainLowBitLinear(_PaddedInput):
+class PlainLowBitLinear(_KvyardLowBit, _PaddedInput):
     """int8 (per channel) or int4 (per group) weight for kvyard's portable kernel (csrc/lowbit_linear.cpp),
     which streams it at close to memory speed for a decode step's rows on CPUs without AMX: q row-major
     (int4: codes q + 8, two per byte, each run of 32 values as 16 bytes with value j low and j + 16 high),
@@ -207,8 +221,8 @@ class PlainLowBitLinear(_PaddedInput):
             runs = (q + 8).to(torch.uint8).view(n, self.k_pad // _INT4_RUN, 2, _INT4_RUN // 2)
             self.q = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, self.k_pad // 2).contiguous()
         self.scale = qt.scale.float().contiguous()
-        # w = (q - zp) * scale = q * scale + zero, zero = -zp * scale
-        self.zero = None if qt.zero_point is None else (-qt.zero_point.float() * qt.scale).contiguous()
+        zero = self._zero_term(qt)
+        self.zero = None if zero is None else zero.contiguous()
 
     @classmethod
     def fits(cls, qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> bool:
@@ -231,10 +245,6 @@ class PlainLowBitLinear(_PaddedInput):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return _scaled(self._values(), self.scale, self.zero, self.group_size, dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes + (0 if self.zero is None else self.zero.nbytes)
 
 
 def make_linear(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> QuantizedLinear:

@@ -30,6 +30,14 @@ using namespace kvyard;
 constexpr int64_t kBlockRows = 4;  // output rows widened together: one x load serves four FMAs
 constexpr int64_t kInt4Run = 32;   // values per nibble run in the int4 layout
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The totals of four 8-lane sums, as one vector [sum(a0), sum(a1), sum(a2), sum(a3)].
+inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+#endif
+
 // Row `r` of the weight as fp32, exactly (q - zp) * scale = q * scale + zero, into `w` [k].
 void widen_row(const uint8_t* q, const float* scale, const float* zero, int64_t bits, int64_t group, int64_t k,
                float* __restrict w) {
@@ -65,10 +73,7 @@ void dot_rows(const float* w, int64_t rows, const float* x, int64_t k, float* ou
       a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * k + i), xv, a2);
       a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * k + i), xv, a3);
     }
-    // Four 8-lane sums into one vector of four totals.
-    const __m256 s01 = _mm256_hadd_ps(a0, a1), s23 = _mm256_hadd_ps(a2, a3);
-    const __m256 s = _mm256_hadd_ps(s01, s23);
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+    _mm_storeu_ps(out, sum4(a0, a1, a2, a3));
     return;
   }
 #endif
@@ -122,10 +127,7 @@ void gemv_block(const float* x, const float* xsums, const uint8_t* q, const floa
       offset_terms[r] += (z - (kBits == 4 ? 8.0f * s : 0.0f)) * xsums[g];
     }
   }
-  const __m256 s01 = _mm256_hadd_ps(total[0], total[1]), s23 = _mm256_hadd_ps(total[2], total[3]);
-  const __m256 s = _mm256_hadd_ps(s01, s23);
-  _mm_storeu_ps(out, _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)),
-                                _mm_loadu_ps(offset_terms)));
+  _mm_storeu_ps(out, _mm_add_ps(sum4(total[0], total[1], total[2], total[3]), _mm_loadu_ps(offset_terms)));
 }
 
 // y = x . W for one row of x, in whole blocks of four weight rows; returns false where it does not apply.
