@@ -3,8 +3,9 @@ over the same matrices and inputs (distinct weights per layer, so nothing stays 
 
 usage: python tools/gemm_stream.py            bf16: oneDNN's packed GEMM against kvyard's AMX blocks, the
                                               121 matmuls of a step (30 layers and the LM head)
-       python tools/gemm_stream.py --lowbit   the 120 layer matmuls: bf16, int8 and int4-g128 on kvyard's
-                                              AMX kernels, int8 on PyTorch's kernel
+       python tools/gemm_stream.py --lowbit   the 120 layer matmuls: bf16 as the model holds it, int8 and
+                                              int4-g128 on PyTorch's kernels, kvyard's portable kernel and
+                                              (with AMX) kvyard's AMX kernel
        python tools/gemm_stream.py --hot      bf16, one layer of each shape (weights hot in cache), 32 to
                                               2,048 rows: where oneDNN's GEMM overtakes the AMX loop
 """
@@ -16,8 +17,8 @@ from collections.abc import Callable
 import torch
 
 from kvyard.kernels import cpu as cpu_kernels
-from kvyard.models.linear import AmxWeight, linear
-from kvyard.quant.qlinear import AmxLowBitLinear, Int8Linear
+from kvyard.models.linear import AmxWeight, linear, pack_weight
+from kvyard.quant.qlinear import AmxLowBitLinear, Int4Linear, Int8Linear, PlainLowBitLinear
 from kvyard.quant.qtensor import QuantizedTensor
 from kvyard.quant.scheme import parse_weight_scheme
 
@@ -31,6 +32,12 @@ def onednn(d: torch.Tensor) -> Matmul:
     return lambda x: linear(x, packed)
 
 
+def model_form(d: torch.Tensor) -> Matmul:
+    """The bf16 form the model itself takes here (AMX tiles, oneDNN's layout, or a plain matrix)."""
+    w = pack_weight(d.bfloat16(), max_rows=512)
+    return lambda x: linear(x, w)
+
+
 def bf16_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
     forms: dict[str, list[Matmul]] = {"onednn": [onednn(d) for d in dense]}
     if cpu_kernels.amx_available():
@@ -42,10 +49,14 @@ def lowbit_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
     def quantized(d: torch.Tensor, scheme: str) -> QuantizedTensor:
         return QuantizedTensor.quantize(d, parse_weight_scheme(scheme))
 
-    forms: dict[str, list[Matmul]] = {"int8 torch": [Int8Linear(quantized(d, "int8"), torch.bfloat16, torch.device("cpu"))
-                                                     for d in dense]}
+    forms: dict[str, list[Matmul]] = {"bf16": [model_form(d) for d in dense]}
+    forms["int8 torch"] = [Int8Linear(quantized(d, "int8"), torch.bfloat16, torch.device("cpu")) for d in dense]
+    forms["int4-g128 torch"] = [Int4Linear(quantized(d, "int4-g128"), torch.bfloat16, torch.device("cpu"))
+                                for d in dense]
+    if cpu_kernels.available():
+        forms["int8 plain"] = [PlainLowBitLinear(quantized(d, "int8")) for d in dense]
+        forms["int4-g128 plain"] = [PlainLowBitLinear(quantized(d, "int4-g128")) for d in dense]
     if cpu_kernels.amx_available():
-        forms["bf16 amx"] = [AmxWeight.tile(d.bfloat16()) for d in dense]
         forms["int8 amx"] = [AmxLowBitLinear(quantized(d, "int8")) for d in dense]
         forms["int4-g128 amx"] = [AmxLowBitLinear(quantized(d, "int4-g128")) for d in dense]
     return forms

@@ -59,3 +59,25 @@ def test_portable_kernel_matches_dequantized_reference(name, shape, rows):
         y = lin(x)
         assert y.shape == (rows, shape[0]) and y.dtype == dtype
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < tol
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="kvyard's CPU kernels did not build here")
+@pytest.mark.parametrize("name", ["int8", "int4-g32", "int4-g64-asym", "int4-g128"])
+def test_one_bf16_row_is_within_the_int16_rounding_of_x(name):
+    """A batch-1 bf16 call rounds x to int16 per run of 32 (lowbit_linear.cpp): each output may move by at most
+    sum_j |w_ij| * max|x in j's run| / 65534 from the exact product, plus the bf16 rounding of the output.
+    An outlier channel (as LLM activations have) only coarsens its own run."""
+    torch.manual_seed(0)
+    n, k = 128, 576
+    qt = QuantizedTensor.quantize(torch.randn(n, k), parse_weight_scheme(name))
+    lin = PlainLowBitLinear(qt)
+    x = torch.randn(1, k)
+    x[0, 5], x[0, 300] = 300.0, -40.0
+    x = x.bfloat16()
+    w = qt.dequantize().double()
+    ref = (x.double() @ w.T)[0]
+    run_max = x.double().abs().view(-1, 32).amax(-1).repeat_interleave(32)
+    bound = (w.abs() @ run_max) / 65534 + ref.abs() * 2.0**-8 + 1e-6
+    err = (lin(x)[0].double() - ref).abs()
+    assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g}"
+    assert bound.max() < 0.02 * ref.abs().max()  # the bound is tight: int8 rounding of x would break it

@@ -11,6 +11,10 @@
 
 #include "vec.h"
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using namespace kvyard;
@@ -47,16 +51,56 @@ inline void for_each_token(const int64_t* table, int64_t len, int64_t block_size
   }
 }
 
-#ifdef __AVX512F__
-// 16 cached values -> 16 floats: bf16 is the top half of a float; int8 is scaled by its (token, head) scale.
-inline __m512 load16(const uint16_t* p, float) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-      reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline __m512 load16(const int8_t* p, float scale) {
-  const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  return _mm512_mul_ps(x, _mm512_set1_ps(scale));
-}
+// The register width the hot path below is written against: AVX-512's 16 lanes or AVX2's 8, whichever this
+// machine compiles for (one definition of the kernel serves both).
+#if defined(__AVX512F__)
+#define KVYARD_HEAD_KERNEL 1
+struct Lanes {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  // kWidth cached values -> floats: bf16 is the top half of a float; int8 is scaled by its (token, head) scale.
+  static V load(const uint16_t* p, float) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(p))), 16));
+  }
+  static V load(const int8_t* p, float scale) {
+    const V x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    return _mm512_mul_ps(x, _mm512_set1_ps(scale));
+  }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(V a) { return _mm512_reduce_add_ps(a); }
+  static void store(float* p, V a) { _mm512_store_ps(p, a); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KVYARD_HEAD_KERNEL 1
+struct Lanes {
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  static V load(const uint16_t* p, float) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(p))), 16));
+  }
+  static V load(const int8_t* p, float scale) {
+    const V x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    return _mm256_mul_ps(x, _mm256_set1_ps(scale));
+  }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(V a) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  }
+  static void store(float* p, V a) { _mm256_store_ps(p, a); }
+};
+#endif
+
+#ifdef KVYARD_HEAD_KERNEL
+using V = Lanes::V;
+constexpr int kLanes = Lanes::kWidth;
 
 // The hot path for bf16 queries over a bf16 or int8 cache: one KV head and its G query heads, head_dim D,
 // with the queries and the G x D output accumulators held in registers for the whole walk over the
@@ -66,45 +110,45 @@ template <int D, int G, typename C>
 void attend_head(const uint16_t* q, const C* k, const C* v, const float* k_scale, const float* v_scale,
                  const int64_t* table, int64_t len, int64_t block_size, int64_t kv_heads, int64_t head,
                  float scale, uint16_t* out, float* scores) {
-  constexpr int NV = D / 16;
+  constexpr int NV = D / kLanes;
   constexpr int64_t row_bytes = D * sizeof(C);
   const SlotSpan k_span{reinterpret_cast<const char*>(k), kv_heads * row_bytes, head * row_bytes, row_bytes};
   const SlotSpan v_span{reinterpret_cast<const char*>(v), kv_heads * row_bytes, head * row_bytes, row_bytes};
-  const __m512 vscale = _mm512_set1_ps(scale);
-  __m512 qv[G][NV];
+  const V vscale = Lanes::set1(scale);
+  V qv[G][NV];
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < NV; ++i) qv[g][i] = _mm512_mul_ps(load16(q + g * D + i * 16, 1.0f), vscale);
+    for (int i = 0; i < NV; ++i) qv[g][i] = Lanes::mul(Lanes::load(q + g * D + i * kLanes, 1.0f), vscale);
   // This head's row of a cache at `slot`, as NV vectors of fp32.
-  auto load_slot = [&](const C* cache, const float* scales, int64_t slot, __m512* row) {
+  auto load_slot = [&](const C* cache, const float* scales, int64_t slot, V* row) {
     const int64_t at = slot * kv_heads + head;
     const float s = scales ? scales[at] : 1.0f;
-    for (int i = 0; i < NV; ++i) row[i] = load16(cache + at * D + i * 16, s);
+    for (int i = 0; i < NV; ++i) row[i] = Lanes::load(cache + at * D + i * kLanes, s);
   };
   for_each_token(table, len, block_size, k_span, [&](int64_t t, int64_t slot) {
-    __m512 kv[NV];
+    V kv[NV];
     load_slot(k, k_scale, slot, kv);
     for (int g = 0; g < G; ++g) {
-      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-      for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(qv[g][i], kv[i], acc);
-      scores[g * len + t] = _mm512_reduce_add_ps(acc);
+      V acc = Lanes::mul(qv[g][0], kv[0]);
+      for (int i = 1; i < NV; ++i) acc = Lanes::fmadd(qv[g][i], kv[i], acc);
+      scores[g * len + t] = Lanes::sum(acc);
     }
   });
   float inv_sum[G];
   for (int g = 0; g < G; ++g) inv_sum[g] = softmax_unnormalized(scores + g * len, len);
-  __m512 acc[G][NV];
+  V acc[G][NV];
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
+    for (int i = 0; i < NV; ++i) acc[g][i] = Lanes::set1(0.0f);
   for_each_token(table, len, block_size, v_span, [&](int64_t t, int64_t slot) {
-    __m512 vv[NV];
+    V vv[NV];
     load_slot(v, v_scale, slot, vv);
     for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
-      for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(p, vv[i], acc[g][i]);
+      const V p = Lanes::set1(scores[g * len + t]);
+      for (int i = 0; i < NV; ++i) acc[g][i] = Lanes::fmadd(p, vv[i], acc[g][i]);
     }
   });
   for (int g = 0; g < G; ++g) {
     alignas(64) float row[D];
-    for (int i = 0; i < NV; ++i) _mm512_store_ps(row + i * 16, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv_sum[g])));
+    for (int i = 0; i < NV; ++i) Lanes::store(row + i * kLanes, Lanes::mul(acc[g][i], Lanes::set1(inv_sum[g])));
     store_row(row, 1.0f, reinterpret_cast<at::BFloat16*>(out + g * D), D);
   }
 }
@@ -135,7 +179,7 @@ HeadKernel<C> head_kernel(int64_t d, int64_t group) {
   if (d == 128) return head_kernel_for_group<128, C>(group);
   return nullptr;
 }
-#endif
+#endif  // KVYARD_HEAD_KERNEL
 
 // Attention of one row for KV heads [h0, h1) and the `group` query heads sharing each, over `len` cached
 // tokens found through the row's block table. Every token's K (then V) rows of those heads are read
@@ -146,7 +190,7 @@ void attend_row(const Q* q, const C* k, const C* v, const float* k_scale, const 
                 const int64_t* table, int64_t len, int64_t block_size, int64_t kv_heads, int64_t h0, int64_t h1,
                 int64_t group, int64_t d, float scale, Q* out, std::vector<float>& buf) {
   const int64_t nh = h1 - h0, nq = nh * group;  // KV heads and query heads handled here
-#ifdef __AVX512F__
+#ifdef KVYARD_HEAD_KERNEL
   if constexpr (std::is_same_v<Q, at::BFloat16> && !std::is_same_v<C, float>) {
     // The cache as the fast path reads it: bf16 as its raw bits, int8 as is.
     using Raw = std::conditional_t<std::is_same_v<C, at::BFloat16>, uint16_t, C>;
