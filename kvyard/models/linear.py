@@ -121,8 +121,12 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.T
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     # oneDNN's bf16 GEMM on an unpacked weight streams it at about half the speed of GEMV at one row;
-    # a batch-1 decode is pure weight streaming, so it takes the matrix-vector path.
+    # a batch-1 decode is pure weight streaming, so it takes a matrix-vector path: kvyard's (csrc/gemv_bf16.cpp,
+    # which prefetches) where the kernels build, else torch.mv.
     if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        y = torch.mv(w, x[0]).unsqueeze(0)
+        if cpu_kernels.available() and w.dtype == torch.bfloat16 and w.is_contiguous():
+            y = torch.ops.kvyard.gemv_bf16(x.contiguous(), w)
+        else:
+            y = torch.mv(w, x[0]).unsqueeze(0)
         return y if b is None else y + b
     return F.linear(x, w, b)

@@ -31,13 +31,6 @@ using namespace kvyard;
 constexpr int64_t kBlockRows = 4;  // output rows widened together: one x load serves four FMAs
 constexpr int64_t kInt4Run = 32;   // values per nibble run in the int4 layout
 
-#if defined(__AVX2__) && defined(__FMA__)
-// The totals of four 8-lane sums, as one vector [sum(a0), sum(a1), sum(a2), sum(a3)].
-inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-#endif
 
 // Row `r` of the weight as fp32, exactly (q - zp) * scale = q * scale + zero, into `w` [k].
 void widen_row(const uint8_t* q, const float* scale, const float* zero, int64_t bits, int64_t group, int64_t k,

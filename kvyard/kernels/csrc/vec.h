@@ -9,7 +9,7 @@
 #include <cstring>
 #include <limits>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -114,5 +114,13 @@ template <>
 inline float round_as<float>(float x) { return x; }
 template <>
 inline float round_as<at::BFloat16>(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The totals of four 8-lane sums, as one vector [sum(a0), sum(a1), sum(a2), sum(a3)].
+inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+#endif
 
 }  // namespace kvyard
