@@ -17,8 +17,8 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "norm_act.cpp", _CSRC / "rope_kv.cpp", _CSRC / "amx_linear.cpp",
-            _CSRC / "amx_lowbit.cpp", _CSRC / "lowbit_linear.cpp", _CSRC / "gemv_bf16.cpp"]
-_HEADERS = [_CSRC / "vec.h", _CSRC / "amx.h"]
+            _CSRC / "amx_lowbit.cpp", _CSRC / "lowbit_linear.cpp", _CSRC / "linear_bf16.cpp"]
+_HEADERS = [_CSRC / "vec.h", _CSRC / "amx.h", _CSRC / "widened_rows.h"]
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 
@@ -49,7 +49,7 @@ def amx_available() -> bool:
 # rounding where PyTorch rounds the product first.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-ffp-contract=off"]
 _OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_write_kv_", "amx_linear",
-        "amx_linear_lowbit", "lowbit_linear", "gemv_bf16")
+        "amx_linear_lowbit", "lowbit_linear", "linear_bf16")
 
 
 def _build() -> bool:

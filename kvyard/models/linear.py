@@ -8,6 +8,7 @@ A dense bf16 weight is held in one of two pre-arranged forms, so that no matmul 
 Low-bit weights (QuantizedLinear) carry their own kernels; fp32 and GPU weights stay plain.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,15 @@ def gated_mlp_input(x: torch.Tensor, gate_up: Weight) -> torch.Tensor | None:
     return torch.ops.mkldnn._linear_pointwise.binary(x, activated, up, None, "mul")
 
 
+FEW_ROWS = 64  # rows up to which kvyard's bf16 kernel takes a plain bf16 weight (a decode step's, not a prefill's)
+
+
+@functools.cache
+def _plain_bf16_cpu() -> bool:
+    """True where kvyard's kernels build and oneDNN has no bf16 GEMM, so bf16 weights stay plain matrices."""
+    return cpu_kernels.available() and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(w, AmxWeight):
         return w(x, b)
@@ -120,13 +130,17 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.T
         return y if b is None else y + b
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-    # oneDNN's bf16 GEMM on an unpacked weight streams it at about half the speed of GEMV at one row;
-    # a batch-1 decode is pure weight streaming, so it takes a matrix-vector path: kvyard's (csrc/gemv_bf16.cpp,
-    # which prefetches) where the kernels build, else torch.mv.
-    if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        if cpu_kernels.available() and w.dtype == torch.bfloat16 and w.is_contiguous():
-            y = torch.ops.kvyard.gemv_bf16(x.contiguous(), w)
-        else:
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and w.dtype == torch.bfloat16 and x.dim() == 2:
+        if x.shape[0] <= FEW_ROWS and w.is_contiguous() and _plain_bf16_cpu():
+            # Where oneDNN has no bf16 GEMM, PyTorch's generic one ran a 32-row decode step at a third of the
+            # speed of kvyard's few-row kernel (csrc/linear_bf16.cpp), whose one-row path also streams faster
+            # than torch.mv.
+            y = torch.ops.kvyard.linear_bf16(x.contiguous(), w)
+        elif x.shape[0] == 1:
+            # oneDNN's bf16 GEMM on an unpacked weight streams it at about half the speed of GEMV at one row;
+            # a batch-1 decode is pure weight streaming, so it takes the matrix-vector path.
             y = torch.mv(w, x[0]).unsqueeze(0)
+        else:
+            return F.linear(x, w, b)
         return y if b is None else y + b
     return F.linear(x, w, b)

@@ -5,9 +5,8 @@
 // (PyTorch's own int8/int4 CPU kernels ran at 4-5 GB/s of weights on a 2-core AVX2 machine whose bf16
 // GEMV streams 9 GB/s, which left int8 only 1.2x faster than bf16 there.)
 //
-// Each block of four output rows is widened once into an L1 buffer as exact fp32 weights, (q - zp) * scale
-// per group, then every input row takes four dot products against it: the weight is read from memory once
-// whatever the row count, and each dot is plain fp32 FMA work with four independent sums.
+// Several rows (and fp32 rows) widen each block of four output rows once into exact fp32 weights,
+// (q - zp) * scale per group, for widened_rows.h's loop; one bf16 row takes the integer path below.
 //
 // Layouts (kvyard/quant/qlinear.py, PlainLowBitLinear): int8 q row-major [N, K]; int4 codes u = q + 8
 // row-major [N, K/2] uint8, where within each run of 32 values byte j holds value j in its low nibble and
@@ -19,6 +18,7 @@
 #include <vector>
 
 #include "vec.h"
+#include "widened_rows.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -28,7 +28,6 @@ namespace {
 
 using namespace kvyard;
 
-constexpr int64_t kBlockRows = 4;  // output rows widened together: one x load serves four FMAs
 constexpr int64_t kInt4Run = 32;   // values per nibble run in the int4 layout
 
 
@@ -53,25 +52,6 @@ void widen_row(const uint8_t* q, const float* scale, const float* zero, int64_t 
       }
     }
   }
-}
-
-// out[r] = w[r] . x for `rows` (<= 4) rows of `w` [rows, k].
-void dot_rows(const float* w, int64_t rows, const float* x, int64_t k, float* out) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (rows == kBlockRows && k % 8 == 0) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t i = 0; i < k; i += 8) {
-      const __m256 xv = _mm256_loadu_ps(x + i);
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), xv, a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + i), xv, a1);
-      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * k + i), xv, a2);
-      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * k + i), xv, a3);
-    }
-    _mm_storeu_ps(out, sum4(a0, a1, a2, a3));
-    return;
-  }
-#endif
-  for (int64_t r = 0; r < rows; ++r) out[r] = dot(w + r * k, x, k);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -231,22 +211,10 @@ void lowbit_rows(const T* x, const uint8_t* q, const float* scale, const float* 
   }
 #endif
   const int64_t groups = (k + group - 1) / group, row_bytes = k * bits / 8;
-  at::parallel_for(0, (n + kBlockRows - 1) / kBlockRows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(kBlockRows * k);
-    float sums[kBlockRows];
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kBlockRows, rows = std::min(kBlockRows, n - n0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t row = n0 + r;
-        widen_row(q + row * row_bytes, scale + row * groups, zero != nullptr ? zero + row * groups : nullptr, bits,
-                  group, k, w.data() + r * k);
-      }
-      for (int64_t i = 0; i < m; ++i) {
-        dot_rows(w.data(), rows, xf.data() + i * k, k, sums);
-        store_row(sums, 1.0f, out + i * n + n0, rows);
-      }
-    }
-  });
+  widened_matmul(xf.data(), m, n, k, [&](int64_t row, float* w) {
+    widen_row(q + row * row_bytes, scale + row * groups, zero != nullptr ? zero + row * groups : nullptr, bits, group,
+              k, w);
+  }, out);
 }
 
 at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
