@@ -20,16 +20,11 @@
 #include "vec.h"
 #include "widened_rows.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 using namespace kvyard;
 
-constexpr int64_t kInt4Run = 32;   // values per nibble run in the int4 layout
-
+constexpr int64_t kInt4Run = 32;  // values per nibble run in the int4 layout
 
 // Row `r` of the weight as fp32, exactly (q - zp) * scale = q * scale + zero, into `w` [k].
 void widen_row(const uint8_t* q, const float* scale, const float* zero, int64_t bits, int64_t group, int64_t k,

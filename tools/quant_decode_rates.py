@@ -1,0 +1,37 @@
+"""Decode tokens/s of saved checkpoints against the first one, taking turns round by round, as
+`kvyard bench quant` times them (the same `decode_rate`), without quantizing anything again.
+
+usage: python tools/quant_decode_rates.py BATCHES ROUNDS NAME=MODEL [NAME=MODEL ...]
+       python tools/quant_decode_rates.py 1,32 5 bf16=smollm2-135m int8=bench-results/quant-s11-smollm2/int8
+Prints each round, then the medians and each scheme's ratio to the first (per round and of the medians).
+"""
+import statistics
+import sys
+
+import torch
+
+from kvyard.bench.quant import decode_rate
+from kvyard.config import EngineConfig
+from kvyard.llm import LLM
+
+
+def main() -> None:
+    batches = [int(b) for b in sys.argv[1].split(",")]
+    rounds = int(sys.argv[2])
+    torch.set_num_threads(2)
+    engines = {name: LLM(config=EngineConfig(model=path, dtype="bfloat16", kv_cache_memory="1GiB"))
+               for name, path in (arg.split("=", 1) for arg in sys.argv[3:])}
+    base = next(iter(engines))
+    runs = []
+    for r in range(rounds):
+        runs.append({f"{name}.b{b}": decode_rate(llm, b, 128, 32) for b in batches for name, llm in engines.items()})
+        print(f"round {r + 1}: " + ", ".join(f"{k}={v:.1f}" for k, v in runs[-1].items()), flush=True)
+    for b in batches:
+        med = {name: statistics.median(run[f"{name}.b{b}"] for run in runs) for name in engines}
+        for name in engines:
+            per_round = [round(run[f"{name}.b{b}"] / run[f"{base}.b{b}"], 2) for run in runs]
+            print(f"b{b} {name}: {med[name]:.1f} tok/s, {med[name] / med[base]:.2f}x {base} (rounds {per_round})")
+
+
+if __name__ == "__main__":
+    main()
