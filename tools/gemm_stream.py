@@ -8,6 +8,10 @@ usage: python tools/gemm_stream.py            bf16: oneDNN's packed GEMM against
                                               (with AMX) kvyard's AMX kernel
        python tools/gemm_stream.py --hot      bf16, one layer of each shape (weights hot in cache), 32 to
                                               2,048 rows: where oneDNN's GEMM overtakes the AMX loop
+       python tools/gemm_stream.py --prefill  one layer of each shape at 48 to 512 rows (prefill chunks):
+                                              PyTorch's F.linear on bf16 against the model's own forms of
+                                              bf16, int8 and int4-g128 (where bf16 has no GEMM: MKL's fp32
+                                              GEMM on the widened or dequantized weight)
 """
 import statistics
 import sys
@@ -15,6 +19,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.linear import AmxWeight, linear, pack_weight
@@ -62,14 +67,26 @@ def lowbit_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
     return forms
 
 
+def prefill_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
+    forms = lowbit_forms(dense)
+    plain = [d.bfloat16() for d in dense]
+    return {"bf16 F.linear": [lambda x, w=w: F.linear(x, w) for w in plain], "bf16": forms["bf16"],
+            **{name: f for name, f in forms.items() if name.endswith(" plain")}}
+
+
+def rate(seconds: float, flops: int, bf16_bytes: int, prefill: bool) -> str:
+    """Prefill chunks are compute-bound (GFLOP/s); decode matmuls stream their weights (GB/s)."""
+    return f"{flops / seconds / 1e9:.0f} GFLOP/s" if prefill else f"{bf16_bytes / seconds / 1e9:.1f} GB/s of bf16"
+
+
 def main() -> None:
     torch.set_num_threads(2)
-    lowbit, hot = "--lowbit" in sys.argv, "--hot" in sys.argv
-    shapes = SHAPES if hot else SHAPES * 30 + ([] if lowbit else [HEAD])
+    lowbit, hot, prefill = "--lowbit" in sys.argv, "--hot" in sys.argv, "--prefill" in sys.argv
+    shapes = SHAPES if hot or prefill else SHAPES * 30 + ([] if lowbit else [HEAD])
     dense = [torch.randn(o, i) for o, i in shapes]
-    forms = lowbit_forms(dense) if lowbit else bf16_forms(dense)
+    forms = prefill_forms(dense) if prefill else lowbit_forms(dense) if lowbit else bf16_forms(dense)
     bf16_bytes = sum(d.numel() * 2 for d in dense)
-    for rows in (32, 64, 128, 512, 2048) if hot else (1, 32) if lowbit else (1, 16, 32, 64):
+    for rows in (48, 128, 512) if prefill else (32, 64, 128, 512, 2048) if hot else (1, 32) if lowbit else (1, 16, 32, 64):
         xs = {i: torch.randn(rows, i, dtype=torch.bfloat16) for i in (576, 1536)}
         times: dict[str, list[float]] = {name: [] for name in forms}
         for _ in range(7):
@@ -78,7 +95,8 @@ def main() -> None:
                 for f, d in zip(matmuls, dense, strict=True):
                     f(xs[d.shape[1]])
                 times[name].append(time.perf_counter() - start)
-        cells = [f"{name} {statistics.median(t) * 1e3:.2f} ms ({bf16_bytes / statistics.median(t) / 1e9:.1f} GB/s of bf16)"
+        flops = sum(2 * rows * d.numel() for d in dense)
+        cells = [f"{name} {statistics.median(t) * 1e3:.2f} ms ({rate(statistics.median(t), flops, bf16_bytes, prefill)})"
                  for name, t in times.items()]
         print(f"{rows} rows, {len(dense)} matmuls: " + ", ".join(cells))
 

@@ -49,7 +49,7 @@ def amx_available() -> bool:
 # rounding where PyTorch rounds the product first.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-ffp-contract=off"]
 _OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_write_kv_", "amx_linear",
-        "amx_linear_lowbit", "lowbit_linear", "linear_bf16")
+        "amx_linear_lowbit", "lowbit_linear", "lowbit_dequantize", "linear_bf16")
 
 
 def _build() -> bool:

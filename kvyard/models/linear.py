@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvyard.kernels import cpu as cpu_kernels
-from kvyard.kernels import vnni
+from kvyard.kernels import fp32_gemm, vnni
 from kvyard.quant.qlinear import QuantizedLinear
 
 _PACK_ROWS_HINT = 32  # the layout oneDNN picks for this many rows also serves 1 and 512 rows well
@@ -113,13 +113,13 @@ def gated_mlp_input(x: torch.Tensor, gate_up: Weight) -> torch.Tensor | None:
     return torch.ops.mkldnn._linear_pointwise.binary(x, activated, up, None, "mul")
 
 
-FEW_ROWS = 64  # rows up to which kvyard's bf16 kernel takes a plain bf16 weight (a decode step's, not a prefill's)
+FEW_ROWS = 32  # rows up to which kvyard's bf16 kernel takes a plain bf16 weight (a decode step's, not a prefill's)
 
 
 @functools.cache
 def _plain_bf16_cpu() -> bool:
     """True where kvyard's kernels build and oneDNN has no bf16 GEMM, so bf16 weights stay plain matrices."""
-    return cpu_kernels.available() and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return cpu_kernels.available() and fp32_gemm.no_bf16_gemm()
 
 
 def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,12 +134,15 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.T
         if x.shape[0] <= FEW_ROWS and w.is_contiguous() and _plain_bf16_cpu():
             # Where oneDNN has no bf16 GEMM, PyTorch's generic one ran a 32-row decode step at a third of the
             # speed of kvyard's few-row kernel (csrc/linear_bf16.cpp), whose one-row path also streams faster
-            # than torch.mv.
+            # than torch.mv. Past 32 rows MKL's fp32 GEMM on the widened values overtakes it (about 48 rows
+            # for SmolLM2's shapes; 5-7x the generic bf16 loop at 128-512 rows).
             y = torch.ops.kvyard.linear_bf16(x.contiguous(), w)
         elif x.shape[0] == 1:
             # oneDNN's bf16 GEMM on an unpacked weight streams it at about half the speed of GEMV at one row;
             # a batch-1 decode is pure weight streaming, so it takes the matrix-vector path.
             y = torch.mv(w, x[0]).unsqueeze(0)
+        elif fp32_gemm.no_bf16_gemm():
+            return fp32_gemm.widened_linear(x, w.shape[0], lambda start, end: w[start:end].float(), b)
         else:
             return F.linear(x, w, b)
         return y if b is None else y + b

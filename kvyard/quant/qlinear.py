@@ -3,7 +3,7 @@
 A batch-1 decode step streams every weight from memory once, so it runs at the speed of the bytes read:
 int8 halves them and int4 quarters them, and the kernels below read them without dequantizing.
 Those kernels are tuned for few rows, though; a prefill chunk of hundreds of rows is compute-bound
-and runs several times faster by dequantizing the weight once and taking the bf16/fp32 GEMM.
+and runs several times faster by dequantizing the weight once and taking the dense GEMM.
 """
 
 import functools
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kvyard.kernels import cpu as cpu_kernels
-from kvyard.kernels import vnni
+from kvyard.kernels import fp32_gemm, vnni
 from kvyard.quant.qtensor import QuantizedTensor
 
 # Above this many rows, dequantize-then-GEMM beats the low-bit kernels on this CPU
@@ -39,6 +39,16 @@ class QuantizedLinear(Protocol):
 
     @property
     def nbytes(self) -> int: ...
+
+
+def dequantized_linear(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """A prefill-sized x through the dense GEMM on the dequantized weight. Where bf16 has no GEMM it is the fp32
+    one (kernels/fp32_gemm.py), and the weight is then not rounded to bf16 either, as the low-bit kernels never
+    round it."""
+    if fp32_gemm.takes_fp32_gemm(x):
+        w = layer.dequantize(torch.float32)
+        return fp32_gemm.widened_linear(x, layer.out_features, lambda start, end: w[start:end])
+    return F.linear(x, layer.dequantize(x.dtype))
 
 
 def _kernels_available(device: torch.device) -> bool:
@@ -68,7 +78,7 @@ class Int8Linear(_PaddedInput):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel and x.shape[0] <= KERNEL_MAX_ROWS:
             return torch.ops.aten._weight_int8pack_mm(self._pad_x(x).contiguous(), self.q, self.scale.to(x.dtype))
-        return F.linear(x, self.dequantize(x.dtype))
+        return dequantized_linear(self, x)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.q[:, : self.in_features].to(dtype) * self.scale.to(dtype).unsqueeze(1)
@@ -104,7 +114,7 @@ class Int4Linear(_PaddedInput):
                 self._pad_x(x).contiguous(), self.packed, self.group_size, self.scale_zero.to(x.dtype)
             )
             return y if self.n_pad == self.out_features else y[:, : self.out_features]
-        return F.linear(x, self.dequantize(x.dtype))
+        return dequantized_linear(self, x)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] in `dtype`, unpacked from the kernel layout (so no second copy is kept)."""
@@ -189,7 +199,7 @@ class AmxLowBitLinear(_KvyardLowBit):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= KERNEL_MAX_ROWS and x.dtype == torch.bfloat16:
             return torch.ops.kvyard.amx_linear_lowbit(x, self.q, self.scale, self.zero, self.bits, self.group_size)
-        return F.linear(x, self.dequantize(x.dtype))
+        return dequantized_linear(self, x)
 
     def _values(self) -> torch.Tensor:
         """q as float32 [N, K], back from the blocked layout."""
@@ -233,18 +243,11 @@ class PlainLowBitLinear(_KvyardLowBit, _PaddedInput):
         if x.shape[0] <= KERNEL_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
             return torch.ops.kvyard.lowbit_linear(self._pad_x(x).contiguous(), self.q, self.scale, self.zero,
                                                   self.bits, self.group_size)
-        return F.linear(x, self.dequantize(x.dtype))
-
-    def _values(self) -> torch.Tensor:
-        """q as float32 [N, K]."""
-        if self.bits == 8:
-            return self.q.float()[:, : self.in_features]
-        runs = self.q.view(self.out_features, -1, _INT4_RUN // 2)
-        u = torch.cat([runs & 0xF, runs >> 4], dim=-1).reshape(self.out_features, self.k_pad)
-        return u[:, : self.in_features].float() - 8
+        return dequantized_linear(self, x)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return _scaled(self._values(), self.scale, self.zero, self.group_size, dtype)
+        w = torch.ops.kvyard.lowbit_dequantize(self.q, self.scale, self.zero, self.bits, self.group_size)
+        return w[:, : self.in_features].to(dtype)
 
 
 def make_linear(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> QuantizedLinear:

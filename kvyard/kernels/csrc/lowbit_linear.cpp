@@ -242,10 +242,38 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& q, const at::Ten
   return out;
 }
 
+// The weight itself, [out, in] fp32 (int4: `in` padded to whole runs): what a prefill-sized call multiplies by
+// in the dense GEMM. The same products and sums as the kernels' widening, so the same values.
+at::Tensor lowbit_dequantize(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& zero,
+                             int64_t bits, int64_t group_size) {
+  TORCH_CHECK((bits == 8 || bits == 4) && q.dim() == 2 && q.is_contiguous() &&
+                  q.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "q must be int8 [out, in] or uint8 [out, in/2]");
+  const int64_t n = q.size(0), k = q.size(1) * 8 / bits, groups = (k + group_size - 1) / group_size;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.sizes() == at::IntArrayRef({n, groups}),
+              "scale must be float32 [out, groups]");
+  if (zero) TORCH_CHECK(zero->sizes() == scale.sizes() && zero->scalar_type() == at::kFloat && zero->is_contiguous(),
+                        "zero must match scale");
+  at::Tensor w = at::empty({n, k}, scale.options());
+  const auto* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
+  const float *sp = scale.data_ptr<float>(), *zp = zero ? zero->data_ptr<float>() : nullptr;
+  float* wp = w.data_ptr<float>();
+  const int64_t row_bytes = k * bits / 8;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      widen_row(qp + r * row_bytes, sp + r * groups, zp != nullptr ? zp + r * groups : nullptr, bits, group_size, k,
+                wp + r * k);
+  });
+  return w;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvyard, m) {
   m.def("lowbit_linear(Tensor x, Tensor q, Tensor scale, Tensor? zero, int bits, int group_size) -> Tensor");
+  m.def("lowbit_dequantize(Tensor q, Tensor scale, Tensor? zero, int bits, int group_size) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("lowbit_linear", &lowbit_linear); }
+TORCH_LIBRARY_IMPL(kvyard, CPU, m) {
+  m.impl("lowbit_linear", &lowbit_linear);
+  m.impl("lowbit_dequantize", &lowbit_dequantize);
+}
