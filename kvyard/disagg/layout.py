@@ -1,9 +1,12 @@
 """What one block of KV looks like on a worker, so that two workers can agree before moving bytes.
 
 A decode worker may only use KV computed by a prefill worker whose cache stores the same thing: same
-layer count, heads, head size, block size and storage dtype (int8 KV also carries float32 scales). The
-layout travels with every fetch request and every payload; `mismatches` names each difference.
+layer count, heads, head size, block size, storage dtype (int8 KV also carries float32 scales) and key
+smoothing. The layout travels with every fetch request and every payload; `mismatches` names each
+difference.
 """
+
+import hashlib
 
 import msgspec
 import torch
@@ -20,12 +23,14 @@ class KVLayout(msgspec.Struct, frozen=True):
     block_size: int
     dtype: str  # torch dtype name of K/V storage: "bfloat16", "float32", "int8", ...
     quantized: bool  # int8 K/V with a float32 scale per (token, head): k_scale, v_scale
+    key_smoothing: str = ""  # digest of the factors K is stored divided by ("" when none; LayerKV)
 
     @classmethod
     def of(cls, caches: list[LayerKV], block_size: int) -> "KVLayout":
         k = caches[0].k
         return cls(num_layers=len(caches), num_kv_heads=k.shape[1], head_dim=k.shape[2], block_size=block_size,
-                   dtype=str(k.dtype).removeprefix("torch."), quantized=caches[0].quantized)
+                   dtype=str(k.dtype).removeprefix("torch."), quantized=caches[0].quantized,
+                   key_smoothing=smoothing_digest(caches))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -58,6 +63,18 @@ class KVLayout(msgspec.Struct, frozen=True):
         """Each field that differs, as 'field: expected <self>, got <other>'; [] when the layouts are equal."""
         return [f"{name}: expected {getattr(self, name)!r}, got {getattr(other, name)!r}"
                 for name in self.__struct_fields__ if getattr(self, name) != getattr(other, name)]
+
+
+def smoothing_digest(caches: list[LayerKV]) -> str:
+    """Which key smoothing the caches' K was written under: two workers fit it on their own, and a factor
+    rounded the other way on different hardware would silently misread one channel pair."""
+    factors = [c.key_smoothing for c in caches]
+    if all(f is None for f in factors):
+        return ""
+    h = hashlib.sha256()
+    for f in factors:
+        h.update(b"-" if f is None else f.float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def numel(shape: tuple[int, ...]) -> int:

@@ -26,6 +26,7 @@ from kvyard.loader.checkpoint import Checkpoint, load_checkpoint
 from kvyard.loader.registry import resolve_model
 from kvyard.models.decoder import DecoderModel
 from kvyard.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from kvyard.quant.kv_smoothing import smooth_keys
 from kvyard.quant.plan import quantize_stream, uniform_plan
 from kvyard.quant.qtensor import QuantizedTensor
 from kvyard.quant.scheme import parse_weight_scheme
@@ -73,11 +74,14 @@ class LLMEngine:
         self.max_model_len = min(context, num_blocks * cfg.block_size)
         model = DecoderModel(ckpt.config, cfg.dtype, device, max_positions=self.max_model_len, max_rows=cfg.token_budget)
         model.load(self._weights(ckpt), str(path))
+        if cfg.kv_cache_dtype == "int8":
+            smooth_keys(model, self.tokenizer, max_len=min(256, self.max_model_len))
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.blocks)
-        self.runner = ModelRunner(model, allocate_kv_caches(ckpt.config, num_blocks, cfg.block_size, cfg.dtype, device,
-                                                         cfg.kv_cache_dtype),
-                                  cfg.block_size)
+        caches = allocate_kv_caches(ckpt.config, num_blocks, cfg.block_size, cfg.dtype, device, cfg.kv_cache_dtype)
+        for cache, layer in zip(caches, model.layers, strict=True):
+            cache.key_smoothing = layer.qk_scale
+        self.runner = ModelRunner(model, caches, cfg.block_size)
         self.spec = make_speculation(cfg, self.tokenizer, ckpt.config.vocab_size, num_blocks, self.max_model_len)
         eos = set(ckpt.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -61,6 +61,9 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Weight
     down: Weight
+    # [heads + kv_heads, head_dim] powers of two on q and k before RoPE, q . k unchanged: set for int8 KV
+    # caches (kvyard/quant/kv_smoothing.py), so that large key channels do not coarsen the rest
+    qk_scale: torch.Tensor | None = None
 
 
 class DecoderModel:
@@ -188,6 +191,8 @@ class DecoderModel:
         qk = qkv[:, : heads + kv_heads]
         if layer.qk_norm is not None:
             qk.copy_(rms_norm(qk, layer.qk_norm, cfg.rms_norm_eps))
+        if layer.qk_scale is not None:
+            qk.mul_(layer.qk_scale)
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
         if _fusable(h) and (cache.quantized or cache.k.dtype == qkv.dtype):
             torch.ops.kvyard.rope_write_kv_(qkv, cos, sin, heads, kv_heads, cache.k, cache.v, cache.k_scale,

@@ -25,6 +25,9 @@ class LayerKV:
     v: torch.Tensor
     k_scale: torch.Tensor | None = None  # [slots, kv_heads] float32 when int8
     v_scale: torch.Tensor | None = None
+    # The model's qk_scale when its keys are smoothed (kvyard/quant/kv_smoothing.py): K is stored divided by
+    # its key rows, so a worker may only read blocks written under the same factors (disagg/layout.py).
+    key_smoothing: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,

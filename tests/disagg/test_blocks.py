@@ -53,3 +53,18 @@ def test_layout_mismatches_name_each_field():
     diffs = a.mismatches(KVLayout(30, 3, 64, 32, "int8", True))
     assert diffs == ["block_size: expected 16, got 32", "dtype: expected 'bfloat16', got 'int8'",
                      "quantized: expected False, got True"]
+
+
+def test_layout_tells_key_smoothings_apart():
+    """Two workers fit their key smoothing on their own; blocks written under other factors must be refused."""
+    a, b = make_caches(torch.bfloat16, True, layers=2), make_caches(torch.bfloat16, True, layers=2)
+    assert KVLayout.of(a, BLOCK).key_smoothing == ""
+    factors = torch.ones(6, 8)
+    for c in a:
+        c.key_smoothing = factors
+    for c in b:
+        c.key_smoothing = factors.clone()
+    assert KVLayout.of(a, BLOCK).mismatches(KVLayout.of(b, BLOCK)) == []
+    b[1].key_smoothing = factors * 2
+    diffs = KVLayout.of(a, BLOCK).mismatches(KVLayout.of(b, BLOCK))
+    assert len(diffs) == 1 and diffs[0].startswith("key_smoothing: expected")
