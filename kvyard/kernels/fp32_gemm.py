@@ -6,8 +6,10 @@ the same values widened (the widening included; `python tools/gemm_stream.py --p
 bf16 values is exact in fp32 and both GEMMs sum in fp32, so the result differs from the bf16 GEMM's only by
 the order of the sums; it is rounded to bf16 once, as the bf16 GEMM's is.
 
-Weights are widened a slab of output rows at a time so that a large matrix (a 152k-row LM head) never
-needs a full fp32 copy: at most SLAB_BYTES of it exist at once.
+A dense weight is widened a slab of output rows at a time, so that a large one (a 152k-row LM head) never
+needs a full fp32 copy: at most SLAB_BYTES of it exist at once. Low-bit layers (quant/qlinear.py) still
+dequantize their whole weight first and hand out slices of it: their matrices are the decoder layers'
+(a quantized head would make a full fp32 copy for prefill-sized logits, ~545 MB for Qwen2.5's).
 """
 
 import functools
