@@ -4,8 +4,8 @@ Weights are held fused (q|k|v and gate|up) so that each layer runs four matmuls,
 where per-op overhead adds up over 30 layers.
 """
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,7 @@ from kvyard.errors import CheckpointError
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.attention import AttentionMetadata, paged_attention
 from kvyard.models.config import ModelConfig
+from kvyard.models.huge_pages import move_to_huge_pages
 from kvyard.models.kv_layer import LayerKV
 from kvyard.models.linear import AmxWeight, Weight, gated_mlp_input, linear, pack_weight
 from kvyard.models.rope import RotaryTable, apply_rotary
@@ -49,6 +50,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.kvyard.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
+
+
+def _tensors_in(values: Iterable[object]) -> Iterator[torch.Tensor]:
+    """The tensors in `values`, and in the attributes of the weight objects (AmxWeight, low-bit linears) among them."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, tuple | list):
+            yield from _tensors_in(v)
+        elif hasattr(v, "__dict__"):
+            yield from _tensors_in(vars(v).values())
 
 
 @dataclass
@@ -141,6 +153,14 @@ class DecoderModel:
             raise CheckpointError(
                 f"{source}: embed_tokens has shape {tuple(self.embed.shape)}, config says {expected}"
             )
+        if self.device.type == "cpu":
+            move_to_huge_pages(self.weight_tensors())
+
+    def weight_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor the weights are held in, whatever their form (dense, packed, low-bit)."""
+        yield from _tensors_in([self.embed, self.final_norm, self.lm_head])
+        for layer in self.layers:
+            yield from _tensors_in([getattr(layer, f.name) for f in fields(layer)])
 
     # ---- forward -------------------------------------------------------------------------------------
 

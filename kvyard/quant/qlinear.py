@@ -25,6 +25,8 @@ _INT4_TILE = 64  # output rows are padded to whole tiles of the widest packing b
 # row j + tile/2 in its high one.
 _INT4_PACKINGS = (64, 32)
 _INT4_RUN = 32  # kvyard's portable kernel packs int4 codes in runs of 32 values
+_BLOCK_ROWS, _CHUNK_BYTES = 4, 32  # its rows are interleaved in blocks of four, chunks of 32 bytes per row
+_CHUNK_VALUES = {8: 32, 4: 64}  # values in one row's chunk
 # The bf16 int8 kernel reads K in steps of 32 and returns garbage (or crashes) on a ragged tail.
 _INT8_K_STEP = 32
 
@@ -218,21 +220,32 @@ class PlainLowBitLinear(_KvyardLowBit, _PaddedInput):
     """int8 (per channel) or int4 (per group) weight for kvyard's portable kernel (csrc/lowbit_linear.cpp),
     which streams it at close to memory speed for a decode step's rows on CPUs without AMX: q row-major
     (int4: codes q + 8, two per byte, each run of 32 values as 16 bytes with value j low and j + 16 high),
-    scales and zero terms [N, groups] fp32. Prefill-sized calls dequantize and take the dense GEMM."""
+    then cut into chunks of 32 bytes with each block of four rows interleaved chunk by chunk (the kernel reads
+    a block's rows together, as one stream). Rows are padded to whole blocks and K to whole chunks with zero
+    codes; scales and zero terms [N, groups] fp32, padded alike. Prefill-sized calls dequantize and take the
+    dense GEMM."""
 
     def __init__(self, qt: QuantizedTensor):
         self.out_features, self.in_features = n, k = qt.shape
-        self.bits, self.group_size = qt.scheme.bits, qt.group_size
-        self.k_pad = -(-k // _INT4_RUN) * _INT4_RUN if self.bits == 4 else k
-        q = F.pad(qt.q, (0, self.k_pad - k))
-        if self.bits == 8:
-            self.q = q.contiguous()
-        else:
-            runs = (q + 8).to(torch.uint8).view(n, self.k_pad // _INT4_RUN, 2, _INT4_RUN // 2)
-            self.q = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, self.k_pad // 2).contiguous()
-        self.scale = qt.scale.float().contiguous()
+        self.bits = qt.scheme.bits
+        self.k_pad = -(-k // _CHUNK_VALUES[self.bits]) * _CHUNK_VALUES[self.bits]
+        # int8 is one group per row: the padded row's, as zero codes add nothing
+        self.group_size = self.k_pad if self.bits == 8 else qt.group_size
+        n_pad, groups = -(-n // _BLOCK_ROWS) * _BLOCK_ROWS, -(-self.k_pad // self.group_size)
+        q = F.pad(qt.q, (0, self.k_pad - k, 0, n_pad - n))
+        if self.bits == 4:
+            runs = (q + 8).to(torch.uint8).view(n_pad, self.k_pad // _INT4_RUN, 2, _INT4_RUN // 2)
+            q = runs[:, :, 0] | (runs[:, :, 1] << 4)
+        row_bytes = self.k_pad * self.bits // 8
+        blocks = q.reshape(n_pad // _BLOCK_ROWS, _BLOCK_ROWS, row_bytes // _CHUNK_BYTES, _CHUNK_BYTES)
+        self.q = blocks.transpose(1, 2).reshape(n_pad, row_bytes).contiguous()
+
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            return F.pad(t.float(), (0, groups - t.shape[1], 0, n_pad - n)).contiguous()
+
+        self.scale = padded(qt.scale)
         zero = self._zero_term(qt)
-        self.zero = None if zero is None else zero.contiguous()
+        self.zero = None if zero is None else padded(zero)
 
     @classmethod
     def fits(cls, qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> bool:
@@ -242,12 +255,12 @@ class PlainLowBitLinear(_KvyardLowBit, _PaddedInput):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= KERNEL_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
             return torch.ops.kvyard.lowbit_linear(self._pad_x(x).contiguous(), self.q, self.scale, self.zero,
-                                                  self.bits, self.group_size)
+                                                  self.bits, self.group_size, self.out_features)
         return dequantized_linear(self, x)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         w = torch.ops.kvyard.lowbit_dequantize(self.q, self.scale, self.zero, self.bits, self.group_size)
-        return w[:, : self.in_features].to(dtype)
+        return w[: self.out_features, : self.in_features].to(dtype)
 
 
 def make_linear(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> QuantizedLinear:

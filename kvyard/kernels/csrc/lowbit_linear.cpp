@@ -8,12 +8,18 @@
 // Several rows (and fp32 rows) widen each block of four output rows once into exact fp32 weights,
 // (q - zp) * scale per group, for widened_rows.h's loop; one bf16 row takes the integer path below.
 //
-// Layouts (kvyard/quant/qlinear.py, PlainLowBitLinear): int8 q row-major [N, K]; int4 codes u = q + 8
-// row-major [N, K/2] uint8, where within each run of 32 values byte j holds value j in its low nibble and
-// value j + 16 in its high one. Scales and zero terms are [N, groups] fp32 (int8: one group of K).
+// Layout (kvyard/quant/qlinear.py, PlainLowBitLinear): a row's codes are int8 q, or int4 u = q + 8 two per
+// byte, where within each run of 32 values byte j holds value j in its low nibble and value j + 16 in its
+// high one. Each row is cut into chunks of 32 bytes (int8: 32 values, int4: 64), and the four rows of each
+// block of output rows are interleaved chunk by chunk, [N/4][chunks][4][32 bytes], so that the batch-1 loop,
+// which reads a block's four rows together, reads one sequential stream: on a 2-core AMD EPYC (AVX2) that took
+// Qwen2.5-0.5B's int8 layer matmuls from 18.7 to 23.5 GB/s (1.25x) against four strided row streams. N is
+// padded to whole blocks and K to whole chunks with zero codes; scales and zero terms are [N, groups] fp32
+// (int8: one group of the padded K), zero on padded groups.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -26,7 +32,15 @@ using namespace kvyard;
 
 constexpr int64_t kInt4Run = 32;  // values per nibble run in the int4 layout
 
-// Row `r` of the weight as fp32, exactly (q - zp) * scale = q * scale + zero, into `w` [k].
+constexpr int64_t kChunkBytes = 32;  // bytes of one row in each chunk of the interleaved layout
+
+// Row `row`'s codes, contiguous, gathered from its block's interleaved chunks into `dst` [row_bytes].
+void gather_row(const uint8_t* q, int64_t row, int64_t row_bytes, uint8_t* __restrict dst) {
+  const uint8_t* block = q + (row / kBlockRows) * kBlockRows * row_bytes + (row % kBlockRows) * kChunkBytes;
+  for (int64_t c = 0; c < row_bytes; c += kChunkBytes) std::memcpy(dst + c, block + c * kBlockRows, kChunkBytes);
+}
+
+// One row's contiguous codes `q` as fp32, exactly (q - zp) * scale = q * scale + zero, into `w` [k].
 void widen_row(const uint8_t* q, const float* scale, const float* zero, int64_t bits, int64_t group, int64_t k,
                float* __restrict w) {
   for (int64_t g0 = 0, g = 0; g0 < k; g0 += group, ++g) {
@@ -61,10 +75,10 @@ void widen_row(const uint8_t* q, const float* scale, const float* zero, int64_t 
 // rounding of x for every value within 128x of that largest; so only bf16 inputs take this path, and
 // fp32 inputs keep the exact fp32 one below.
 constexpr int64_t kActRun = 32;  // x values that share one int16 scale
-// Each thread asks for its weight bytes 8 KB ahead of where its four rows are read: the hardware prefetchers
-// alone held the loop to ~10 GB/s on a 2-core AMD EPYC that streams 23 GB/s (tools/gemm_stream.py --lowbit:
-// the 120 SmolLM2 layer matmuls took 0.73x (int8) and 0.79x (int4) of the time with it; 1-4 KB ahead less).
-// A prefetch never faults, so the one past the end of the weight needs no guard.
+// Each thread asks for its weight bytes 8 KB ahead of where it reads: the hardware prefetchers alone held the
+// loop to ~10 GB/s on a 2-core AMD EPYC that streams 23 GB/s (tools/gemm_stream.py --lowbit: the 120 SmolLM2
+// layer matmuls took 0.73x (int8) and 0.79x (int4) of the time with it, when rows were still read as four
+// streams). A prefetch never faults, so the ones past the end of the weight need no guard.
 constexpr int64_t kPrefetchBytes = 8192;
 // Codes per step of the inner loop. int8: one run, widened in order. int4: two runs (32 bytes), whose nibbles
 // are widened in-lane (vpunpck*bw), so each vector holds eight values of run A and eight of run B; x is laid
@@ -102,17 +116,16 @@ Int16Row round_to_int16(const float* x, int64_t k) {
   return row;
 }
 
-// One chunk of a weight row against x's int16 codes `xv`, as int32 sums (exact: see gemv_block).
+// One row's chunk (`bytes`: its 32 bytes) against x's int16 codes `xv`, as int32 sums (exact: see gemv_block).
 template <int kBits>
-inline __m256i chunk_dot(const uint8_t* row, int64_t i, const __m256i* xv) {
-  _mm_prefetch(reinterpret_cast<const char*>(row + i * kBits / 8 + kPrefetchBytes), _MM_HINT_T0);
+inline __m256i chunk_dot(const uint8_t* bytes, const __m256i* xv) {
   if constexpr (kBits == 8) {
-    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i)));
-    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16)));
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16)));
     return _mm256_add_epi32(_mm256_madd_epi16(w0, xv[0]), _mm256_madd_epi16(w1, xv[1]));
   } else {
     const __m256i low = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i / 2));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
     const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
     const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), xv[0]),
                                         _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero), xv[1]));
@@ -137,7 +150,7 @@ void gemv_block(const Int16Row& x, const float* xsums, const uint8_t* q, const f
                 int64_t group, int64_t groups, int64_t k, float* out) {
   constexpr int64_t chunk = kChunk<kBits>;
   constexpr int kVectors = chunk / 16;
-  const int64_t row_bytes = k * kBits / 8, span = std::max(group, chunk);
+  const int64_t span = std::max(group, chunk);
   const bool group_per_run = group < chunk;  // int4-g32
   __m256 total[kBlockRows];
   for (int r = 0; r < kBlockRows; ++r) total[r] = _mm256_setzero_ps();
@@ -148,8 +161,11 @@ void gemv_block(const Int16Row& x, const float* xsums, const uint8_t* q, const f
       __m256i xv[kVectors];
       for (int v = 0; v < kVectors; ++v) xv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i) + v);
       const __m256 xs = per_run(x.scale.data(), i / kActRun, kBits == 4);
+      const uint8_t* rows = q + (i / chunk) * kBlockRows * kChunkBytes;  // this chunk of the block's 4 rows
+      _mm_prefetch(reinterpret_cast<const char*>(rows + kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rows + kPrefetchBytes + 64), _MM_HINT_T0);
       for (int r = 0; r < kBlockRows; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk_dot<kBits>(q + r * row_bytes, i, xv)), xs, acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk_dot<kBits>(rows + r * kChunkBytes, xv)), xs, acc[r]);
     }
     for (int r = 0; r < kBlockRows; ++r)
       total[r] = _mm256_fmadd_ps(acc[r], per_run(scale + r * groups, s0 / group, group_per_run), total[r]);
@@ -165,9 +181,10 @@ void gemv_block(const Int16Row& x, const float* xsums, const uint8_t* q, const f
   _mm_storeu_ps(out, _mm_add_ps(sum4(total[0], total[1], total[2], total[3]), _mm_loadu_ps(offset_terms)));
 }
 
+// y = x . W for one row of x: every block of four padded weight rows, the first `n_out` outputs stored.
 template <int kBits>
 void gemv_rows(const float* x, const uint8_t* q, const float* scale, const float* zero, int64_t group, int64_t n,
-               int64_t k, at::BFloat16* out) {
+               int64_t n_out, int64_t k, at::BFloat16* out) {
   const int64_t groups = (k + group - 1) / group, row_bytes = k * kBits / 8;
   const Int16Row xq = round_to_int16<kBits>(x, k);
   std::vector<float> xsums(groups, 0.0f);
@@ -179,89 +196,98 @@ void gemv_rows(const float* x, const uint8_t* q, const float* scale, const float
       const int64_t n0 = b * kBlockRows;
       gemv_block<kBits>(xq, xsums.data(), q + n0 * row_bytes, scale + n0 * groups,
                         zero != nullptr ? zero + n0 * groups : nullptr, group, groups, k, sums);
-      store_row(sums, 1.0f, out + n0, kBlockRows);
+      store_row(sums, 1.0f, out + n0, std::min(kBlockRows, n_out - n0));
     }
   });
 }
-
-// y = x . W for one bf16 row of x, in whole blocks of four weight rows; returns false where it does not apply
-// (int4 needs whole chunks of 64 values; every group size is a multiple of 32).
-bool gemv_one_row(const float* x, const uint8_t* q, const float* scale, const float* zero, int64_t bits, int64_t group,
-                  int64_t n, int64_t k, at::BFloat16* out) {
-  if (n % kBlockRows != 0 || group % kActRun != 0 || k % (bits == 8 ? kChunk<8> : kChunk<4>) != 0) return false;
-  if (bits == 8) gemv_rows<8>(x, q, scale, zero, group, n, k, out);
-  else gemv_rows<4>(x, q, scale, zero, group, n, k, out);
-  return true;
-}
 #endif
+
+// A weight's dimensions, checked against the layout: n and k padded (rows to blocks of 4, k to chunks).
+struct LowBitDims {
+  int64_t n, k, groups, row_bytes;
+};
+
+LowBitDims check_layout(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& zero,
+                        int64_t bits, int64_t group_size) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
+              "q must be int8 [out, in] (uint8 [out, in/2] for int4)");
+  const LowBitDims d{q.size(0), q.size(1) * 8 / bits, 0, q.size(1)};
+  TORCH_CHECK(d.n % kBlockRows == 0 && d.row_bytes % kChunkBytes == 0, "q must be padded to blocks of ", kBlockRows,
+              " rows and chunks of ", kChunkBytes, " bytes, got ", d.n, " x ", d.row_bytes);
+  TORCH_CHECK(group_size > 0 && group_size % kInt4Run == 0, "groups must be whole runs of 32 values, got ", group_size);
+  const int64_t groups = (d.k + group_size - 1) / group_size;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.sizes() == at::IntArrayRef({d.n, groups}),
+              "scale must be float32 [out, groups] = [", d.n, ", ", groups, "]");
+  if (zero) TORCH_CHECK(zero->sizes() == scale.sizes() && zero->scalar_type() == at::kFloat && zero->is_contiguous(),
+                        "zero must match scale");
+  return {d.n, d.k, groups, d.row_bytes};
+}
+
+// Row `row` of the weight widened to fp32 into `w` [k]; `codes` [row_bytes] is scratch for its gathered codes.
+void widen_weight_row(const uint8_t* q, const float* scale, const float* zero, int64_t bits, int64_t group,
+                      const LowBitDims& d, int64_t row, uint8_t* codes, float* w) {
+  gather_row(q, row, d.row_bytes, codes);
+  widen_row(codes, scale + row * d.groups, zero != nullptr ? zero + row * d.groups : nullptr, bits, group, d.k, w);
+}
 
 template <typename T>
 void lowbit_rows(const T* x, const uint8_t* q, const float* scale, const float* zero, int64_t bits, int64_t group,
-                 int64_t m, int64_t n, int64_t k, T* out) {
-  std::vector<float> xf(m * k);
-  for (int64_t r = 0; r < m; ++r) load_row(x + r * k, 1.0f, xf.data() + r * k, k);
+                 const LowBitDims& d, int64_t m, int64_t n_out, T* out) {
+  std::vector<float> xf(m * d.k);
+  for (int64_t r = 0; r < m; ++r) load_row(x + r * d.k, 1.0f, xf.data() + r * d.k, d.k);
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (m == 1 && gemv_one_row(xf.data(), q, scale, zero, bits, group, n, k, out)) return;
+    if (m == 1) {
+      if (bits == 8) gemv_rows<8>(xf.data(), q, scale, zero, group, d.n, n_out, d.k, out);
+      else gemv_rows<4>(xf.data(), q, scale, zero, group, d.n, n_out, d.k, out);
+      return;
+    }
   }
 #endif
-  const int64_t groups = (k + group - 1) / group, row_bytes = k * bits / 8;
-  widened_matmul(xf.data(), m, n, k, [&](int64_t row, float* w) {
-    widen_row(q + row * row_bytes, scale + row * groups, zero != nullptr ? zero + row * groups : nullptr, bits, group,
-              k, w);
+  widened_matmul(xf.data(), m, n_out, d.k, [&](int64_t row, float* w) {
+    thread_local std::vector<uint8_t> codes;
+    codes.resize(d.row_bytes);
+    widen_weight_row(q, scale, zero, bits, group, d, row, codes.data(), w);
   }, out);
 }
 
+// y [rows, out_features] = x . W^T for x [rows, K] (K padded as the weight is).
 at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                         const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size) {
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+                         const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size, int64_t out_features) {
+  const LowBitDims d = check_layout(q, scale, zero, bits, group_size);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a contiguous fp32 or bf16 [rows, in] matrix");
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
-              "q must be int8 [out, in] (uint8 [out, in/2] for int4)");
-  const int64_t m = x.size(0), n = q.size(0), k = q.size(1) * 8 / bits;
-  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns, the weight takes ", k);
-  TORCH_CHECK(group_size > 0 && (bits == 8 || (group_size % kInt4Run == 0 && k % kInt4Run == 0)),
-              "int4 needs groups and rows of whole runs of 32 values, got group ", group_size, " for ", k, " columns");
-  const int64_t groups = (k + group_size - 1) / group_size;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == n &&
-                  scale.size(1) == groups, "scale must be float32 [out, groups]");
-  if (zero) TORCH_CHECK(zero->sizes() == scale.sizes() && zero->scalar_type() == at::kFloat && zero->is_contiguous(),
-                        "zero must match scale");
-  at::Tensor out = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return out;
+  TORCH_CHECK(x.size(1) == d.k, "x has ", x.size(1), " columns, the weight takes ", d.k);
+  TORCH_CHECK(out_features > d.n - kBlockRows && out_features <= d.n, "out_features ", out_features,
+              " does not fit ", d.n, " padded rows");
+  const int64_t m = x.size(0);
+  at::Tensor out = at::empty({m, out_features}, x.options());
+  if (m == 0 || out_features == 0) return out;
   const auto* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
   const float* zp = zero ? zero->data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
-    lowbit_rows<float>(x.data_ptr<float>(), qp, scale.data_ptr<float>(), zp, bits, group_size, m, n, k,
+    lowbit_rows<float>(x.data_ptr<float>(), qp, scale.data_ptr<float>(), zp, bits, group_size, d, m, out_features,
                        out.data_ptr<float>());
   } else {
-    lowbit_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), qp, scale.data_ptr<float>(), zp, bits, group_size, m, n, k,
-                              out.data_ptr<at::BFloat16>());
+    lowbit_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), qp, scale.data_ptr<float>(), zp, bits, group_size, d, m,
+                              out_features, out.data_ptr<at::BFloat16>());
   }
   return out;
 }
 
-// The weight itself, [out, in] fp32 (int4: `in` padded to whole runs): what a prefill-sized call multiplies by
-// in the dense GEMM. The same products and sums as the kernels' widening, so the same values.
+// The weight itself, [out, in] fp32, both padded: what a prefill-sized call multiplies by in the dense GEMM.
+// The same products and sums as the kernels' widening, so the same values.
 at::Tensor lowbit_dequantize(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& zero,
                              int64_t bits, int64_t group_size) {
-  TORCH_CHECK((bits == 8 || bits == 4) && q.dim() == 2 && q.is_contiguous() &&
-                  q.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "q must be int8 [out, in] or uint8 [out, in/2]");
-  const int64_t n = q.size(0), k = q.size(1) * 8 / bits, groups = (k + group_size - 1) / group_size;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.sizes() == at::IntArrayRef({n, groups}),
-              "scale must be float32 [out, groups]");
-  if (zero) TORCH_CHECK(zero->sizes() == scale.sizes() && zero->scalar_type() == at::kFloat && zero->is_contiguous(),
-                        "zero must match scale");
-  at::Tensor w = at::empty({n, k}, scale.options());
+  const LowBitDims d = check_layout(q, scale, zero, bits, group_size);
+  at::Tensor w = at::empty({d.n, d.k}, scale.options());
   const auto* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
   const float *sp = scale.data_ptr<float>(), *zp = zero ? zero->data_ptr<float>() : nullptr;
   float* wp = w.data_ptr<float>();
-  const int64_t row_bytes = k * bits / 8;
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      widen_row(qp + r * row_bytes, sp + r * groups, zp != nullptr ? zp + r * groups : nullptr, bits, group_size, k,
-                wp + r * k);
+  at::parallel_for(0, d.n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> codes(d.row_bytes);
+    for (int64_t r = begin; r < end; ++r) widen_weight_row(qp, sp, zp, bits, group_size, d, r, codes.data(), wp + r * d.k);
   });
   return w;
 }
@@ -269,7 +295,7 @@ at::Tensor lowbit_dequantize(const at::Tensor& q, const at::Tensor& scale, const
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvyard, m) {
-  m.def("lowbit_linear(Tensor x, Tensor q, Tensor scale, Tensor? zero, int bits, int group_size) -> Tensor");
+  m.def("lowbit_linear(Tensor x, Tensor q, Tensor scale, Tensor? zero, int bits, int group_size, int out_features) -> Tensor");
   m.def("lowbit_dequantize(Tensor q, Tensor scale, Tensor? zero, int bits, int group_size) -> Tensor");
 }
 
