@@ -91,19 +91,35 @@ struct Int16Row {
   std::vector<float> scale;  // [k / 32], x ~= q * scale of its run
 };
 
+// The largest magnitude among a run's 32 values.
+inline float run_amax(const float* v) {
+  const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  auto mag = [&](int i) { return _mm256_and_ps(_mm256_loadu_ps(v + 8 * i), abs); };
+  const __m256 m = _mm256_max_ps(_mm256_max_ps(mag(0), mag(1)), _mm256_max_ps(mag(2), mag(3)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+// round(v * inv) for a run's 32 values into `out`, to nearest even as nearbyint; |v * inv| <= 32767 here.
+inline void round_run(const float* v, float inv, int16_t* out) {
+  const __m256 s = _mm256_set1_ps(inv);
+  auto codes = [&](int i) { return _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * i), s)); };
+  // packs interleaves its two sources by 128-bit lane; the permute puts the 16 values back in order
+  for (int half = 0; half < 2; ++half)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * half),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(codes(2 * half), codes(2 * half + 1)), 0xD8));
+}
+
 template <int kBits>
 Int16Row round_to_int16(const float* x, int64_t k) {
   Int16Row row{std::vector<int16_t>(k), std::vector<float>(k / kActRun)};
   std::vector<int16_t> ordered(k);
   for (int64_t r = 0; r < k / kActRun; ++r) {
     const float* v = x + r * kActRun;
-    float amax = 0.0f;
-    for (int64_t i = 0; i < kActRun; ++i) amax = std::max(amax, std::abs(v[i]));
-    const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    const float amax = run_amax(v);
     row.scale[r] = amax / 32767.0f;
-#pragma omp simd
-    for (int64_t i = 0; i < kActRun; ++i)
-      ordered[r * kActRun + i] = static_cast<int16_t>(std::clamp(std::nearbyint(v[i] * inv), -32767.0f, 32767.0f));
+    round_run(v, amax > 0.0f ? 32767.0f / amax : 0.0f, ordered.data() + r * kActRun);
   }
   if constexpr (kBits == 8) {
     row.q = std::move(ordered);
@@ -187,9 +203,15 @@ void gemv_rows(const float* x, const uint8_t* q, const float* scale, const float
                int64_t n_out, int64_t k, at::BFloat16* out) {
   const int64_t groups = (k + group - 1) / group, row_bytes = k * kBits / 8;
   const Int16Row xq = round_to_int16<kBits>(x, k);
-  std::vector<float> xsums(groups, 0.0f);
-  for (int64_t g = 0; g < groups; ++g)
-    for (int64_t i = g * group; i < std::min(k, (g + 1) * group); ++i) xsums[g] += x[i];
+  std::vector<float> xsums(groups, 0.0f);  // for the zero terms (int4's + 8 offset among them)
+  if (kBits == 4 || zero != nullptr) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = g * group; i < std::min(k, (g + 1) * group); ++i) sum += x[i];
+      xsums[g] = sum;
+    }
+  }
   at::parallel_for(0, n / kBlockRows, 16, [&](int64_t begin, int64_t end) {
     float sums[kBlockRows];
     for (int64_t b = begin; b < end; ++b) {
