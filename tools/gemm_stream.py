@@ -12,6 +12,9 @@ usage: python tools/gemm_stream.py            bf16: oneDNN's packed GEMM against
                                               PyTorch's F.linear on bf16 against the model's own forms of
                                               bf16, int8 and int4-g128 (where bf16 has no GEMM: MKL's fp32
                                               GEMM on the widened or dequantized weight)
+       python tools/gemm_stream.py --pages    the layer matmuls at 1 row, bf16, int8 and int4-g128 as the
+                                              model holds them, on 4 KB pages against moved onto huge pages
+       --qwen                                 Qwen2.5-0.5B's layer shapes (24 layers) instead of SmolLM2's
 """
 import statistics
 import sys
@@ -22,13 +25,15 @@ import torch
 import torch.nn.functional as F
 
 from kvyard.kernels import cpu as cpu_kernels
-from kvyard.models.linear import AmxWeight, linear, pack_weight
-from kvyard.quant.qlinear import AmxLowBitLinear, Int4Linear, Int8Linear, PlainLowBitLinear
+from kvyard.models.huge_pages import move_to_huge_pages, tensors_in
+from kvyard.models.linear import AmxWeight, Weight, linear, pack_weight
+from kvyard.quant.qlinear import AmxLowBitLinear, Int4Linear, Int8Linear, PlainLowBitLinear, make_linear
 from kvyard.quant.qtensor import QuantizedTensor
 from kvyard.quant.scheme import parse_weight_scheme
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 HEAD = (49152, 576)
+QWEN_SHAPES, QWEN_HEAD, QWEN_LAYERS = [(1152, 896), (896, 896), (9728, 896), (896, 4864)], (151936, 896), 24
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -50,10 +55,11 @@ def bf16_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
     return forms
 
 
-def lowbit_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
-    def quantized(d: torch.Tensor, scheme: str) -> QuantizedTensor:
-        return QuantizedTensor.quantize(d, parse_weight_scheme(scheme))
+def quantized(d: torch.Tensor, scheme: str) -> QuantizedTensor:
+    return QuantizedTensor.quantize(d, parse_weight_scheme(scheme))
 
+
+def lowbit_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
     forms: dict[str, list[Matmul]] = {"bf16": [model_form(d) for d in dense]}
     forms["int8 torch"] = [Int8Linear(quantized(d, "int8"), torch.bfloat16, torch.device("cpu")) for d in dense]
     forms["int4-g128 torch"] = [Int4Linear(quantized(d, "int4-g128"), torch.bfloat16, torch.device("cpu"))
@@ -74,6 +80,20 @@ def prefill_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
             **{name: f for name, f in forms.items() if name.endswith(" plain")}}
 
 
+def paged_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
+    """bf16, int8 and int4-g128 in the model's forms, once as allocated (4 KB pages) and once moved onto huge pages."""
+    forms: dict[str, list[Matmul]] = {}
+    for pages in ("4 KB", "huge"):
+        weights: dict[str, list[Weight]] = {"bf16": [pack_weight(d.bfloat16(), max_rows=512) for d in dense]}
+        if cpu_kernels.available():
+            for scheme in ("int8", "int4-g128"):
+                weights[scheme] = [make_linear(quantized(d, scheme), torch.bfloat16, torch.device("cpu")) for d in dense]
+        if pages == "huge":
+            move_to_huge_pages(tensors_in(weights.values()))
+        forms |= {f"{name} {pages}": [lambda x, w=w: linear(x, w) for w in ws] for name, ws in weights.items()}
+    return forms
+
+
 def rate(seconds: float, flops: int, bf16_bytes: int, prefill: bool) -> str:
     """Prefill chunks are compute-bound (GFLOP/s); decode matmuls stream their weights (GB/s)."""
     return f"{flops / seconds / 1e9:.0f} GFLOP/s" if prefill else f"{bf16_bytes / seconds / 1e9:.1f} GB/s of bf16"
@@ -81,13 +101,17 @@ def rate(seconds: float, flops: int, bf16_bytes: int, prefill: bool) -> str:
 
 def main() -> None:
     torch.set_num_threads(2)
-    lowbit, hot, prefill = "--lowbit" in sys.argv, "--hot" in sys.argv, "--prefill" in sys.argv
-    shapes = SHAPES if hot or prefill else SHAPES * 30 + ([] if lowbit else [HEAD])
+    lowbit, hot, prefill, pages = (f"--{m}" in sys.argv for m in ("lowbit", "hot", "prefill", "pages"))
+    layer, head, layers = (QWEN_SHAPES, QWEN_HEAD, QWEN_LAYERS) if "--qwen" in sys.argv else (SHAPES, HEAD, 30)
+    shapes = layer if hot or prefill else layer * layers + ([] if lowbit or pages else [head])
     dense = [torch.randn(o, i) for o, i in shapes]
-    forms = prefill_forms(dense) if prefill else lowbit_forms(dense) if lowbit else bf16_forms(dense)
+    forms = (prefill_forms(dense) if prefill else lowbit_forms(dense) if lowbit else paged_forms(dense) if pages
+             else bf16_forms(dense))
     bf16_bytes = sum(d.numel() * 2 for d in dense)
-    for rows in (48, 128, 512) if prefill else (32, 64, 128, 512, 2048) if hot else (1, 32) if lowbit else (1, 16, 32, 64):
-        xs = {i: torch.randn(rows, i, dtype=torch.bfloat16) for i in (576, 1536)}
+    row_counts = ((48, 128, 512) if prefill else (32, 64, 128, 512, 2048) if hot else (1, 32) if lowbit else (1,) if pages
+                  else (1, 16, 32, 64))
+    for rows in row_counts:
+        xs = {i: torch.randn(rows, i, dtype=torch.bfloat16) for i in {i for _, i in layer}}
         times: dict[str, list[float]] = {name: [] for name in forms}
         for _ in range(7):
             for name, matmuls in forms.items():

@@ -14,7 +14,7 @@ from kvyard.errors import CheckpointError
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.attention import AttentionMetadata, paged_attention
 from kvyard.models.config import ModelConfig
-from kvyard.models.huge_pages import move_to_huge_pages
+from kvyard.models.huge_pages import move_to_huge_pages, tensors_in
 from kvyard.models.kv_layer import LayerKV
 from kvyard.models.linear import AmxWeight, Weight, gated_mlp_input, linear, pack_weight
 from kvyard.models.rope import RotaryTable, apply_rotary
@@ -50,17 +50,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.kvyard.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
-
-
-def _tensors_in(values: Iterable[object]) -> Iterator[torch.Tensor]:
-    """The tensors in `values`, and in the attributes of the weight objects (AmxWeight, low-bit linears) among them."""
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            yield v
-        elif isinstance(v, tuple | list):
-            yield from _tensors_in(v)
-        elif hasattr(v, "__dict__"):
-            yield from _tensors_in(vars(v).values())
 
 
 @dataclass
@@ -158,9 +147,9 @@ class DecoderModel:
 
     def weight_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor the weights are held in, whatever their form (dense, packed, low-bit)."""
-        yield from _tensors_in([self.embed, self.final_norm, self.lm_head])
+        yield from tensors_in([self.embed, self.final_norm, self.lm_head])
         for layer in self.layers:
-            yield from _tensors_in([getattr(layer, f.name) for f in fields(layer)])
+            yield from tensors_in([getattr(layer, f.name) for f in fields(layer)])
 
     # ---- forward -------------------------------------------------------------------------------------
 

@@ -19,7 +19,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -30,35 +29,32 @@ namespace {
 
 using namespace kvyard;
 
-constexpr int64_t kInt4Run = 32;  // values per nibble run in the int4 layout
-
+constexpr int64_t kInt4Run = 32;  // values per nibble run in the int4 layout, and per step of widen_row
 constexpr int64_t kChunkBytes = 32;  // bytes of one row in each chunk of the interleaved layout
 
-// Row `row`'s codes, contiguous, gathered from its block's interleaved chunks into `dst` [row_bytes].
-void gather_row(const uint8_t* q, int64_t row, int64_t row_bytes, uint8_t* __restrict dst) {
-  const uint8_t* block = q + (row / kBlockRows) * kBlockRows * row_bytes + (row % kBlockRows) * kChunkBytes;
-  for (int64_t c = 0; c < row_bytes; c += kChunkBytes) std::memcpy(dst + c, block + c * kBlockRows, kChunkBytes);
-}
-
-// One row's contiguous codes `q` as fp32, exactly (q - zp) * scale = q * scale + zero, into `w` [k].
-void widen_row(const uint8_t* q, const float* scale, const float* zero, int64_t bits, int64_t group, int64_t k,
+// One row of the weight as fp32, exactly (q - zp) * scale = q * scale + zero, into `w` [k]. Its chunks lie
+// kBlockRows * kChunkBytes bytes apart from `first` (its first one), interleaved with its block's other rows.
+void widen_row(const uint8_t* first, const float* scale, const float* zero, int64_t bits, int64_t group, int64_t k,
                float* __restrict w) {
-  for (int64_t g0 = 0, g = 0; g0 < k; g0 += group, ++g) {
-    const int64_t end = std::min(k, g0 + group);
-    const float s = scale[g], z = zero != nullptr ? zero[g] : 0.0f;
+  constexpr int64_t stride = kBlockRows * kChunkBytes;
+  const int64_t chunk_values = kChunkBytes * 8 / bits;
+  float s = scale[0], z = zero != nullptr ? zero[0] : 0.0f;
+  for (int64_t run = 0, g = 0, group_end = group; run < k; run += kInt4Run) {  // groups hold whole runs
+    if (run == group_end) {
+      ++g, group_end += group;
+      s = scale[g], z = zero != nullptr ? zero[g] : 0.0f;
+    }
+    const uint8_t* bytes = first + (run / chunk_values) * stride + (run % chunk_values) * bits / 8;
     if (bits == 8) {
-      const int8_t* src = reinterpret_cast<const int8_t*>(q);
+      const int8_t* src = reinterpret_cast<const int8_t*>(bytes);
 #pragma omp simd
-      for (int64_t i = g0; i < end; ++i) w[i] = static_cast<float>(src[i]) * s + z;
+      for (int64_t j = 0; j < kInt4Run; ++j) w[run + j] = static_cast<float>(src[j]) * s + z;
       continue;
     }
-    for (int64_t run = g0; run < end; run += kInt4Run) {  // groups (the last may be short) hold whole runs
-      const uint8_t* bytes = q + run / 2;
 #pragma omp simd
-      for (int64_t j = 0; j < kInt4Run / 2; ++j) {
-        w[run + j] = static_cast<float>((bytes[j] & 0xF) - 8) * s + z;
-        w[run + kInt4Run / 2 + j] = static_cast<float>((bytes[j] >> 4) - 8) * s + z;
-      }
+    for (int64_t j = 0; j < kInt4Run / 2; ++j) {
+      w[run + j] = static_cast<float>((bytes[j] & 0xF) - 8) * s + z;
+      w[run + kInt4Run / 2 + j] = static_cast<float>((bytes[j] >> 4) - 8) * s + z;
     }
   }
 }
@@ -246,11 +242,11 @@ LowBitDims check_layout(const at::Tensor& q, const at::Tensor& scale, const std:
   return {d.n, d.k, groups, d.row_bytes};
 }
 
-// Row `row` of the weight widened to fp32 into `w` [k]; `codes` [row_bytes] is scratch for its gathered codes.
+// Row `row` of the weight widened to fp32 into `w` [k].
 void widen_weight_row(const uint8_t* q, const float* scale, const float* zero, int64_t bits, int64_t group,
-                      const LowBitDims& d, int64_t row, uint8_t* codes, float* w) {
-  gather_row(q, row, d.row_bytes, codes);
-  widen_row(codes, scale + row * d.groups, zero != nullptr ? zero + row * d.groups : nullptr, bits, group, d.k, w);
+                      const LowBitDims& d, int64_t row, float* w) {
+  const uint8_t* first = q + (row / kBlockRows) * kBlockRows * d.row_bytes + (row % kBlockRows) * kChunkBytes;
+  widen_row(first, scale + row * d.groups, zero != nullptr ? zero + row * d.groups : nullptr, bits, group, d.k, w);
 }
 
 template <typename T>
@@ -268,9 +264,7 @@ void lowbit_rows(const T* x, const uint8_t* q, const float* scale, const float* 
   }
 #endif
   widened_matmul(xf.data(), m, n_out, d.k, [&](int64_t row, float* w) {
-    thread_local std::vector<uint8_t> codes;
-    codes.resize(d.row_bytes);
-    widen_weight_row(q, scale, zero, bits, group, d, row, codes.data(), w);
+    widen_weight_row(q, scale, zero, bits, group, d, row, w);
   }, out);
 }
 
@@ -308,8 +302,7 @@ at::Tensor lowbit_dequantize(const at::Tensor& q, const at::Tensor& scale, const
   const float *sp = scale.data_ptr<float>(), *zp = zero ? zero->data_ptr<float>() : nullptr;
   float* wp = w.data_ptr<float>();
   at::parallel_for(0, d.n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> codes(d.row_bytes);
-    for (int64_t r = begin; r < end; ++r) widen_weight_row(qp, sp, zp, bits, group_size, d, r, codes.data(), wp + r * d.k);
+    for (int64_t r = begin; r < end; ++r) widen_weight_row(qp, sp, zp, bits, group_size, d, r, wp + r * d.k);
   });
   return w;
 }
