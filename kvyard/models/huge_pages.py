@@ -83,8 +83,8 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
 def _collapse(arena: mmap.mmap) -> None:
     """Have the kernel make huge pages of the whole mapping now, compacting memory if it must (MADV_COLLAPSE,
     Linux 6.1+). Faults in a mapping advised MADV_HUGEPAGE fall back to 4 KB pages where no free 2 MB page is at
-    hand, as in a process that has just quantized a model; khugepaged then merges them only slowly, and an
-    engine's first minutes run on small pages (batch-1 rounds of `kvyard bench quant` sped up round by round)."""
+    hand (fragmented memory), and khugepaged merges those only slowly in the background. A guard: the faults
+    alone were granted huge pages in every case tried here."""
     try:
         arena.madvise(_MADV_COLLAPSE)
     except OSError:  # an older kernel, or THP off: the pages stay as the faults left them
