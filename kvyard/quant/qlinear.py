@@ -26,7 +26,6 @@ _INT4_TILE = 64  # output rows are padded to whole tiles of the widest packing b
 _INT4_PACKINGS = (64, 32)
 _INT4_RUN = 32  # kvyard's portable kernel packs int4 codes in runs of 32 values
 _BLOCK_ROWS, _CHUNK_BYTES = 4, 32  # its rows are interleaved in blocks of four, chunks of 32 bytes per row
-_CHUNK_VALUES = {8: 32, 4: 64}  # values in one row's chunk
 # The bf16 int8 kernel reads K in steps of 32 and returns garbage (or crashes) on a ragged tail.
 _INT8_K_STEP = 32
 
@@ -228,7 +227,8 @@ class PlainLowBitLinear(_KvyardLowBit, _PaddedInput):
     def __init__(self, qt: QuantizedTensor):
         self.out_features, self.in_features = n, k = qt.shape
         self.bits = qt.scheme.bits
-        self.k_pad = -(-k // _CHUNK_VALUES[self.bits]) * _CHUNK_VALUES[self.bits]
+        chunk_values = _CHUNK_BYTES * 8 // self.bits
+        self.k_pad = -(-k // chunk_values) * chunk_values
         # int8 is one group per row: the padded row's, as zero codes add nothing
         self.group_size = self.k_pad if self.bits == 8 else qt.group_size
         n_pad, groups = -(-n // _BLOCK_ROWS) * _BLOCK_ROWS, -(-self.k_pad // self.group_size)

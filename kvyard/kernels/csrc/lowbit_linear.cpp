@@ -110,16 +110,15 @@ inline void round_run(const float* v, float inv, int16_t* out) {
 template <int kBits>
 Int16Row round_to_int16(const float* x, int64_t k) {
   Int16Row row{std::vector<int16_t>(k), std::vector<float>(k / kActRun)};
-  std::vector<int16_t> ordered(k);
+  std::vector<int16_t> ordered(kBits == 8 ? 0 : k);  // int8 codes are already in order: rounded in place
+  int16_t* rounded = kBits == 8 ? row.q.data() : ordered.data();
   for (int64_t r = 0; r < k / kActRun; ++r) {
     const float* v = x + r * kActRun;
     const float amax = run_amax(v);
     row.scale[r] = amax / 32767.0f;
-    round_run(v, amax > 0.0f ? 32767.0f / amax : 0.0f, ordered.data() + r * kActRun);
+    round_run(v, amax > 0.0f ? 32767.0f / amax : 0.0f, rounded + r * kActRun);
   }
-  if constexpr (kBits == 8) {
-    row.q = std::move(ordered);
-  } else {  // vector t of a chunk: values 8t..8t+7 of run A, then the same of run B
+  if constexpr (kBits == 4) {  // vector t of a chunk: values 8t..8t+7 of run A, then the same of run B
     for (int64_t c = 0; c < k; c += 64)
       for (int64_t t = 0; t < 4; ++t)
         for (int64_t h = 0; h < 2; ++h)
@@ -230,16 +229,16 @@ LowBitDims check_layout(const at::Tensor& q, const at::Tensor& scale, const std:
   TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
               "q must be int8 [out, in] (uint8 [out, in/2] for int4)");
-  const LowBitDims d{q.size(0), q.size(1) * 8 / bits, 0, q.size(1)};
-  TORCH_CHECK(d.n % kBlockRows == 0 && d.row_bytes % kChunkBytes == 0, "q must be padded to blocks of ", kBlockRows,
-              " rows and chunks of ", kChunkBytes, " bytes, got ", d.n, " x ", d.row_bytes);
+  const int64_t n = q.size(0), row_bytes = q.size(1), k = row_bytes * 8 / bits;
+  TORCH_CHECK(n % kBlockRows == 0 && row_bytes % kChunkBytes == 0, "q must be padded to blocks of ", kBlockRows,
+              " rows and chunks of ", kChunkBytes, " bytes, got ", n, " x ", row_bytes);
   TORCH_CHECK(group_size > 0 && group_size % kInt4Run == 0, "groups must be whole runs of 32 values, got ", group_size);
-  const int64_t groups = (d.k + group_size - 1) / group_size;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.sizes() == at::IntArrayRef({d.n, groups}),
-              "scale must be float32 [out, groups] = [", d.n, ", ", groups, "]");
+  const int64_t groups = (k + group_size - 1) / group_size;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.sizes() == at::IntArrayRef({n, groups}),
+              "scale must be float32 [out, groups] = [", n, ", ", groups, "]");
   if (zero) TORCH_CHECK(zero->sizes() == scale.sizes() && zero->scalar_type() == at::kFloat && zero->is_contiguous(),
                         "zero must match scale");
-  return {d.n, d.k, groups, d.row_bytes};
+  return {n, k, groups, row_bytes};
 }
 
 // Row `row` of the weight widened to fp32 into `w` [k].
