@@ -88,9 +88,12 @@ def make_tiny_checkpoint(
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kwargs)).eval()
     # Random init gives near-uniform logits; scale the weights up so greedy choices are well separated.
+    # Biases (qwen2's q/k/v) start at zero: give them values, so that a path that drops one shows.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" not in name:
+            if name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif "norm" not in name:
                 p.mul_(4.0 if "embed" in name or "lm_head" in name else 2.0)
             elif p.dim() == 1:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))

@@ -1,11 +1,12 @@
 """How fast SmolLM2's decode matmuls stream their weights, each weight form alternating round by round
 over the same matrices and inputs (distinct weights per layer, so nothing stays in cache between layers).
 
-usage: python tools/gemm_stream.py            bf16: oneDNN's packed GEMM against kvyard's AMX blocks, the
+usage: python tools/gemm_stream.py            bf16: oneDNN's packed GEMM against kvyard's VNNI blocks (AMX or
+                                              AVX512-BF16 kernel), the
                                               121 matmuls of a step (30 layers and the LM head)
        python tools/gemm_stream.py --lowbit   the 120 layer matmuls: bf16 as the model holds it, int8 and
                                               int4-g128 on PyTorch's kernels, kvyard's portable kernel and
-                                              (with AMX) kvyard's AMX kernel
+                                              (with AMX or AVX-512 VNNI) kvyard's VNNI-block kernel
        python tools/gemm_stream.py --hot      bf16, one layer of each shape (weights hot in cache), 32 to
                                               2,048 rows: where oneDNN's GEMM overtakes the AMX loop
        python tools/gemm_stream.py --prefill  one layer of each shape at 48 to 512 rows (prefill chunks):
@@ -26,8 +27,8 @@ import torch.nn.functional as F
 
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.huge_pages import move_to_huge_pages, tensors_in
-from kvyard.models.linear import AmxWeight, Weight, linear, pack_weight
-from kvyard.quant.qlinear import AmxLowBitLinear, Int4Linear, Int8Linear, PlainLowBitLinear, make_linear
+from kvyard.models.linear import VnniWeight, Weight, linear, pack_weight
+from kvyard.quant.qlinear import Int4Linear, Int8Linear, PlainLowBitLinear, VnniLowBitLinear, make_linear
 from kvyard.quant.qtensor import QuantizedTensor
 from kvyard.quant.scheme import parse_weight_scheme
 
@@ -50,8 +51,8 @@ def model_form(d: torch.Tensor) -> Matmul:
 
 def bf16_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
     forms: dict[str, list[Matmul]] = {"onednn": [onednn(d) for d in dense]}
-    if cpu_kernels.amx_available():
-        forms["amx"] = [AmxWeight.tile(d.bfloat16()) for d in dense]
+    if cpu_kernels.amx_available() or cpu_kernels.dpbf16_available():
+        forms["amx" if cpu_kernels.amx_available() else "dpbf16"] = [VnniWeight.tile(d.bfloat16()) for d in dense]
     return forms
 
 
@@ -67,9 +68,10 @@ def lowbit_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
     if cpu_kernels.available():
         forms["int8 plain"] = [PlainLowBitLinear(quantized(d, "int8")) for d in dense]
         forms["int4-g128 plain"] = [PlainLowBitLinear(quantized(d, "int4-g128")) for d in dense]
-    if cpu_kernels.amx_available():
-        forms["int8 amx"] = [AmxLowBitLinear(quantized(d, "int8")) for d in dense]
-        forms["int4-g128 amx"] = [AmxLowBitLinear(quantized(d, "int4-g128")) for d in dense]
+    if cpu_kernels.amx_available() or cpu_kernels.vnni_lowbit_available():
+        kind = "amx" if cpu_kernels.amx_available() else "vnni"
+        forms[f"int8 {kind}"] = [VnniLowBitLinear(quantized(d, "int8")) for d in dense]
+        forms[f"int4-g128 {kind}"] = [VnniLowBitLinear(quantized(d, "int4-g128")) for d in dense]
     return forms
 
 

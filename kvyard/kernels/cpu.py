@@ -17,8 +17,9 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "norm_act.cpp", _CSRC / "rope_kv.cpp", _CSRC / "amx_linear.cpp",
-            _CSRC / "amx_lowbit.cpp", _CSRC / "lowbit_linear.cpp", _CSRC / "linear_bf16.cpp"]
-_HEADERS = [_CSRC / "vec.h", _CSRC / "amx.h", _CSRC / "widened_rows.h"]
+            _CSRC / "amx_lowbit.cpp", _CSRC / "lowbit_linear.cpp", _CSRC / "linear_bf16.cpp",
+            _CSRC / "dpbf16_linear.cpp", _CSRC / "vnni_lowbit.cpp", _CSRC / "decode_stack.cpp"]
+_HEADERS = [_CSRC / "vec.h", _CSRC / "amx.h", _CSRC / "widened_rows.h", _CSRC / "ops.h", _CSRC / "vnni_blocks.h"]
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 
@@ -43,13 +44,32 @@ def amx_available() -> bool:
     return available() and _enabled_by_env("KVYARD_AMX") and bool(torch.ops.kvyard.amx_available())
 
 
+def vnni_lowbit_available() -> bool:
+    """True when torch.ops.kvyard.vnni_lowbit_linear runs here: the kernels are loaded and were compiled for a CPU
+    with AVX-512 BW, VNNI and BF16."""
+    return available() and bool(torch.ops.kvyard.vnni_lowbit_available())
+
+
+def decode_stack_enabled() -> bool:
+    """Whether decode steps may run their layers in one C++ call (kvyard/models/decode_stack.py);
+    KVYARD_DECODE_STACK=0 keeps the layer-by-layer path."""
+    return _enabled_by_env("KVYARD_DECODE_STACK")
+
+
+def dpbf16_available() -> bool:
+    """True when torch.ops.kvyard.dpbf16_linear runs here: the kernels are loaded and were compiled for a CPU
+    with AVX512-BF16 (KVYARD_DPBF16=0 keeps oneDNN's GEMM instead)."""
+    return available() and _enabled_by_env("KVYARD_DPBF16") and bool(torch.ops.kvyard.dpbf16_available())
+
+
 # -fopenmp: at::parallel_for is a header template, parallel only when compiled with OpenMP; the extension
 # then shares the libgomp torch has already loaded. -fno-trapping-math lets GCC vectorise floor() and
 # selects (exp, silu); results are the same IEEE values. -ffp-contract=off: no a * b + c fused into one
 # rounding where PyTorch rounds the product first.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-ffp-contract=off"]
 _OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_write_kv_", "amx_linear",
-        "amx_linear_lowbit", "lowbit_linear", "lowbit_dequantize", "linear_bf16")
+        "amx_linear_lowbit", "lowbit_linear", "lowbit_dequantize", "linear_bf16", "dpbf16_linear",
+        "vnni_lowbit_linear")
 
 
 def _build() -> bool:

@@ -14,9 +14,10 @@ from kvyard.errors import CheckpointError
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.attention import AttentionMetadata, paged_attention
 from kvyard.models.config import ModelConfig
+from kvyard.models.decode_stack import build_decode_stack, run_decode_stack, takes_step
 from kvyard.models.huge_pages import move_to_huge_pages, tensors_in
 from kvyard.models.kv_layer import LayerKV
-from kvyard.models.linear import AmxWeight, Weight, gated_mlp_input, linear, pack_weight
+from kvyard.models.linear import VnniWeight, Weight, gated_mlp_input, linear, pack_weight
 from kvyard.models.rope import RotaryTable, apply_rotary
 from kvyard.quant.qlinear import make_linear
 from kvyard.quant.qtensor import QuantizedTensor
@@ -82,6 +83,8 @@ class DecoderModel:
         self.final_norm: torch.Tensor | None = None
         self.lm_head: Weight | None = None
         self._packed_head: tuple[Weight, Weight] | None = None  # (lm_head, its packed form)
+        # (the layers' weights it was built from, by identity; the stack or None where it cannot run them)
+        self._stack: tuple[tuple[int, ...], torch.ScriptObject | None] | None = None
         self.q_size = cfg.num_heads * cfg.head_dim
 
     # ---- loading -------------------------------------------------------------------------------------
@@ -166,14 +169,18 @@ class DecoderModel:
         eps = self.cfg.rms_norm_eps
         cos, sin = self.rope.lookup(positions, self.dtype)
         x = F.embedding(input_ids, self.embed)
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            self.run_layer(x, layer, cache, meta, cos, sin)
+        stack = self._decode_stack() if cpu_kernels.decode_stack_enabled() and takes_step(x, meta, kv_caches) else None
+        if stack is not None:
+            run_decode_stack(stack, x, meta, kv_caches, cos, sin)
+        else:
+            for layer, cache in zip(self.layers, kv_caches, strict=True):
+                self.run_layer(x, layer, cache, meta, cos, sin)
         last = rms_norm(x[logits_indices], self.final_norm, eps)
-        # One row without AMX: the unpacked head through GEMV. For SmolLM2's 57 MB head (2 threads) GEMV took
-        # 1.9 ms against 3.8 ms for oneDNN's packed layout when both alternated over two copies of the head,
-        # and about the same (4.6-5.2 ms) with the caches flushed before each call; never slower.
+        # One row without kvyard's VNNI kernels: the unpacked head through GEMV. For SmolLM2's 57 MB head (2
+        # threads) GEMV took 1.9 ms against 3.8 ms for oneDNN's packed layout when both alternated over two
+        # copies of the head, and about the same (4.6-5.2 ms) with the caches flushed before each call.
         head = self._head()
-        if last.shape[0] == 1 and not isinstance(head, AmxWeight):
+        if last.shape[0] == 1 and not isinstance(head, VnniWeight):
             head = self.lm_head
         return linear(last, head).float()
 
@@ -184,6 +191,13 @@ class DecoderModel:
         eps = self.cfg.rms_norm_eps
         h = self._attention(rms_norm(x, layer.input_norm, eps), layer, cache, meta, cos, sin)
         return x.add_(self._mlp(add_rms_norm_(x, h, layer.post_norm, eps), layer))
+
+    def _decode_stack(self) -> torch.ScriptObject | None:
+        # Rebuilt whenever a layer's weight changes (the quantizer swaps units, int8 KV caches set qk_scale).
+        key = tuple(id(v) for layer in self.layers for v in vars(layer).values())
+        if self._stack is None or self._stack[0] != key:
+            self._stack = (key, build_decode_stack(self))
+        return self._stack[1]
 
     def _head(self) -> Weight:
         # Packed on first use rather than at load: callers may still slice or swap lm_head after loading

@@ -35,7 +35,7 @@ def enabled() -> bool:
 
 
 def tensors_in(values: Iterable[object]) -> Iterator[torch.Tensor]:
-    """The tensors in `values`, and in the attributes of the weight objects (AmxWeight, low-bit linears) among them."""
+    """The tensors in `values`, and in the attributes of the weight objects (VnniWeight, low-bit linears) among them."""
     for v in values:
         if isinstance(v, torch.Tensor):
             yield v

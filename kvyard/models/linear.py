@@ -1,9 +1,10 @@
 """Linear layers on CPU: a weight's fastest resident form, chosen once at load, and the one call that runs it.
 
 A dense bf16 weight is held in one of two pre-arranged forms, so that no matmul rearranges it per call:
-- `AmxWeight`, tiled for kvyard's AMX kernel (csrc/amx_linear.cpp), where the CPU has AMX: a decode
-  step's few rows then stream each weight at close to memory speed, at a few microseconds per call
-  (prefill-sized calls take the oneDNN copy it keeps where steps may carry more than 512 rows);
+- `VnniWeight`, VNNI blocks of 32 columns for kvyard's own kernels, where the CPU has AMX (csrc/amx_linear.cpp)
+  or AVX512-BF16 (csrc/dpbf16_linear.cpp): a decode step's few rows then stream each weight at close to
+  memory speed, at a few microseconds per call (with AMX, prefill-sized calls take the oneDNN copy it keeps
+  where steps may carry more than 512 rows; the AVX512-BF16 loop ties oneDNN there and keeps none);
 - oneDNN's blocked layout otherwise (torch.ops.mkldnn).
 Low-bit weights (QuantizedLinear) carry their own kernels; fp32 and GPU weights stay plain.
 """
@@ -23,15 +24,16 @@ AMX_MAX_ROWS = 512  # up to here the AMX loop is at least as fast as oneDNN (0.9
 
 
 @dataclass(frozen=True)
-class AmxWeight:
-    """A bf16 [out, in] weight in the AMX kernels' VNNI blocks (kvyard/kernels/vnni.py).
+class VnniWeight:
+    """A bf16 [out, in] weight in VNNI blocks (kvyard/kernels/vnni.py), run by kvyard's AMX kernel where the
+    CPU has AMX, else by its AVX512-BF16 register kernel.
 
-    `onednn` keeps oneDNN's packed copy for prefill-sized calls: above AMX_MAX_ROWS rows the matmul is
-    compute-bound and oneDNN's GEMM beats the AMX loop (1.35x faster over SmolLM2's four layer shapes at
+    `onednn` keeps oneDNN's packed copy for prefill-sized calls on AMX CPUs: above AMX_MAX_ROWS rows the matmul
+    is compute-bound and oneDNN's GEMM beats the AMX loop (1.35x faster over SmolLM2's four layer shapes at
     2,048 rows, alternating microbenchmark), at the cost of a second copy of the dense weights.
     """
 
-    tiles: torch.Tensor
+    blocks: torch.Tensor
     onednn: torch.Tensor | None = None
     # A fused gate|up weight keeps oneDNN's copies of its two halves instead (see gated_mlp_input).
     onednn_halves: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -42,27 +44,32 @@ class AmxWeight:
 
     @classmethod
     def tile(cls, w: torch.Tensor, onednn: torch.Tensor | None = None,
-             onednn_halves: tuple[torch.Tensor, torch.Tensor] | None = None) -> "AmxWeight":
+             onednn_halves: tuple[torch.Tensor, torch.Tensor] | None = None) -> "VnniWeight":
         return cls(vnni.to_blocks(w), onednn, onednn_halves)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.tiles.shape[0] * vnni.BLOCK_COLS, self.tiles.shape[1] * 2
+        return self.blocks.shape[0] * vnni.BLOCK_COLS, self.blocks.shape[1] * 2
 
     @property
     def nbytes(self) -> int:
         """Resident bytes: the blocks and, where kept, oneDNN's copies."""
         copies = ([self.onednn] if self.onednn is not None else []) + list(self.onednn_halves or ())
-        return self.tiles.nbytes + sum(c.nbytes for c in copies)
+        return self.blocks.nbytes + sum(c.nbytes for c in copies)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.onednn is not None and x.shape[0] > AMX_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
-        return torch.ops.kvyard.amx_linear(x, self.tiles, bias)
+        return _vnni_kernel()(x, self.blocks, bias)
 
 
-# A linear layer's weight: a dense [out, in] matrix (plain or oneDNN-packed), AMX tiles, or a low-bit one.
-Weight = torch.Tensor | AmxWeight | QuantizedLinear
+@functools.cache
+def _vnni_kernel():  # looked up once: a decode step makes ~120 of these calls, each ~2 us of Python otherwise
+    return torch.ops.kvyard.amx_linear if cpu_kernels.amx_available() else torch.ops.kvyard.dpbf16_linear
+
+
+# A linear layer's weight: a dense [out, in] matrix (plain or oneDNN-packed), VNNI blocks, or a low-bit one.
+Weight = torch.Tensor | VnniWeight | QuantizedLinear
 
 
 def packable(w: torch.Tensor) -> bool:
@@ -83,13 +90,15 @@ def pack_weight(w: Weight, max_rows: int | None = None, gate_up: bool = False) -
     """
     if not isinstance(w, torch.Tensor) or not packable(w):
         return w
-    if AmxWeight.fits(w) and cpu_kernels.amx_available():
+    if VnniWeight.fits(w) and cpu_kernels.amx_available():
         if max_rows is not None and max_rows <= AMX_MAX_ROWS:
-            return AmxWeight.tile(w)
+            return VnniWeight.tile(w)
         if gate_up:
             gate, up = w.chunk(2)
-            return AmxWeight.tile(w, onednn_halves=(_onednn_layout(gate), _onednn_layout(up)))
-        return AmxWeight.tile(w, _onednn_layout(w))
+            return VnniWeight.tile(w, onednn_halves=(_onednn_layout(gate), _onednn_layout(up)))
+        return VnniWeight.tile(w, _onednn_layout(w))
+    if VnniWeight.fits(w) and cpu_kernels.dpbf16_available():
+        return VnniWeight.tile(w)
     return _onednn_layout(w)
 
 
@@ -106,7 +115,7 @@ def gated_mlp_input(x: torch.Tensor, gate_up: Weight) -> torch.Tensor | None:
     it cost about as much as the fusion saves: the MLP took 0.81x of the time (6.05 against 7.5 ms a layer,
     alternating microbenchmark). Each product is rounded once, from fp32 (silu_mul rounds gate and up first).
     """
-    if not isinstance(gate_up, AmxWeight) or gate_up.onednn_halves is None or x.shape[0] <= AMX_MAX_ROWS:
+    if not isinstance(gate_up, VnniWeight) or gate_up.onednn_halves is None or x.shape[0] <= AMX_MAX_ROWS:
         return None
     gate, up = gate_up.onednn_halves
     activated = torch.ops.mkldnn._linear_pointwise(x, gate, None, "swish", [], "")
@@ -117,13 +126,13 @@ FEW_ROWS = 32  # rows up to which kvyard's bf16 kernel takes a plain bf16 weight
 
 
 @functools.cache
-def _plain_bf16_cpu() -> bool:
+def plain_bf16_cpu() -> bool:
     """True where kvyard's kernels build and oneDNN has no bf16 GEMM, so bf16 weights stay plain matrices."""
     return cpu_kernels.available() and fp32_gemm.no_bf16_gemm()
 
 
 def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(w, AmxWeight):
+    if isinstance(w, VnniWeight):
         return w(x, b)
     if not isinstance(w, torch.Tensor):
         y = w(x)
@@ -131,7 +140,7 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.T
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     if x.dtype == torch.bfloat16 and x.device.type == "cpu" and w.dtype == torch.bfloat16 and x.dim() == 2:
-        if x.shape[0] <= FEW_ROWS and w.is_contiguous() and _plain_bf16_cpu():
+        if x.shape[0] <= FEW_ROWS and w.is_contiguous() and plain_bf16_cpu():
             # Where oneDNN has no bf16 GEMM, PyTorch's generic one ran a 32-row decode step at a third of the
             # speed of kvyard's few-row kernel (csrc/linear_bf16.cpp), whose one-row path also streams faster
             # than torch.mv. Past 32 rows MKL's fp32 GEMM on the widened values overtakes it (about 48 rows

@@ -6,7 +6,7 @@ import torch
 from kvyard.config import EngineConfig
 from kvyard.engine.llm_engine import LLMEngine
 from kvyard.kernels import cpu as cpu_kernels
-from kvyard.models.linear import AMX_MAX_ROWS, AmxWeight, gated_mlp_input, linear, pack_weight
+from kvyard.models.linear import AMX_MAX_ROWS, VnniWeight, gated_mlp_input, linear, pack_weight
 
 needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(), reason="this CPU has no AMX")
 
@@ -28,10 +28,10 @@ def test_rounds_the_exact_product_once(rows, out, inp, bias):
     x = torch.randn(rows, inp, generator=g).bfloat16()
     b = torch.randn(out, generator=g).bfloat16() if bias else None
     packed = pack_weight(w)
-    assert isinstance(packed, AmxWeight) and packed.shape == (out, inp)
+    assert isinstance(packed, VnniWeight) and packed.shape == (out, inp)
     assert packed.nbytes == 2 * w.nbytes  # the blocks and oneDNN's copy for prefill-sized calls
     exact = x.double() @ w.double().T + (b.double() if bias else 0)
-    for weight in (packed, AmxWeight.tile(w)):  # the second runs the AMX loop at every row count
+    for weight in (packed, VnniWeight.tile(w)):  # the second runs the AMX loop at every row count
         got = linear(x, weight, b)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
         err = (got.double() - exact).abs()
@@ -49,14 +49,14 @@ def test_untileable_shapes_and_opt_out_keep_onednn(monkeypatch):
 @needs_amx
 def test_blocks_hold_the_vnni_pairs():
     w = torch.randn(64, 96).bfloat16()
-    tiles = AmxWeight.tile(w).tiles
+    tiles = VnniWeight.tile(w).blocks
     for nb, p, n, j in [(0, 0, 0, 0), (1, 37, 5, 1), (1, 47, 31, 1)]:
         assert tiles[nb, p, n, j] == w[nb * 32 + n, 2 * p + j]
 
 
 @needs_amx
 def test_bad_inputs_raise():
-    packed = AmxWeight.tile(torch.randn(32, 64).bfloat16())
+    packed = VnniWeight.tile(torch.randn(32, 64).bfloat16())
     with pytest.raises(RuntimeError, match="columns"):
         packed(torch.randn(2, 32).bfloat16())
     with pytest.raises(RuntimeError, match="bf16"):
@@ -74,7 +74,7 @@ def test_engine_keeps_onednn_copy_only_for_prefill_sized_steps(tiny_checkpoint, 
                                     max_num_batched_tokens=budget))
     layers = engine.runner.model.layers
     weights = [w for layer in layers for w in (layer.qkv, layer.o, layer.down)]
-    assert all(isinstance(w, AmxWeight) and (w.onednn is not None) == (copies == 2) for w in weights)
+    assert all(isinstance(w, VnniWeight) and (w.onednn is not None) == (copies == 2) for w in weights)
     # gate|up keeps its two halves instead, for the fused MLP of prefill-sized steps
     assert all(layer.gate_up.onednn is None and (layer.gate_up.onednn_halves is not None) == (copies == 2)
                for layer in layers)

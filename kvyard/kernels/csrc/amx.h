@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "vnni_blocks.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -23,9 +25,9 @@
 namespace kvyard::amx {
 
 constexpr int64_t kTileRows = 16;   // rows of A (and C) per tile
-constexpr int64_t kTileK = 32;      // bf16 values of K per tile row: 64 bytes
+constexpr int64_t kTileK = vnni::kKStep;  // bf16 values of K per tile row: 64 bytes
 constexpr int64_t kTileCols = 16;   // output columns per B tile
-constexpr int64_t kBlockCols = 32;  // output columns per packed block: two B tiles
+constexpr int64_t kBlockCols = vnni::kBlockCols;  // output columns per packed block: two B tiles
 
 #ifdef KVYARD_HAS_AMX
 

@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include "amx.h"
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -77,31 +78,20 @@ void amx_matmul(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, in
 
 bool amx_available() { return amx_ready(); }
 
+}  // namespace
+
+namespace kvyard::ops {
+
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be a bf16 [rows, in] matrix");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(1) % (kTileK / 2) == 0 && packed.size(2) == kBlockCols && packed.size(3) == 2,
-              "packed must be a contiguous bf16 [out/32, in/2, 32, 2] VNNI layout (in a multiple of 32)");
-  const int64_t m = x.size(0), n = packed.size(0) * kBlockCols, k = packed.size(1) * 2;
-  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns, the weight takes ", k);
-  if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kBFloat16 &&
-                            bias->is_contiguous(), "bias must be a contiguous bf16 [out] vector");
   TORCH_CHECK(amx_ready(), "AMX is not available on this CPU or was refused by the OS");
-  const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({m, n}, x.options());
-  if (m > 0) {
-    amx_matmul(reinterpret_cast<const uint16_t*>(xc.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-               bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
-               reinterpret_cast<uint16_t*>(out.data_ptr()), m, n, k);
-  }
-  return out;
+  return vnni::bf16_blocks_linear(x, packed, bias, amx_matmul);
 }
 
-}  // namespace
+}  // namespace kvyard::ops
 
 TORCH_LIBRARY_FRAGMENT(kvyard, m) {
   m.def("amx_available() -> bool", &amx_available);
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("amx_linear", &amx_linear); }
+TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("amx_linear", &kvyard::ops::amx_linear); }

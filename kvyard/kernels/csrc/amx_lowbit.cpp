@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -26,7 +27,7 @@ using namespace kvyard::amx;
 
 constexpr int64_t kWidenBlocks = 8;  // k blocks widened per pass: 16 KB of bf16, which stays in L1
 
-int64_t num_groups(int64_t k, int64_t group) { return (k + group - 1) / group; }  // the last may be short
+using vnni::num_groups;
 
 #ifdef KVYARD_HAS_AMX
 
@@ -282,42 +283,29 @@ void lowbit_gemv(const uint16_t* x, const LowBitWeight& w, uint16_t* out, int64_
 
 #endif
 
+}  // namespace
+
+namespace kvyard::ops {
+
 at::Tensor amx_linear_lowbit(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                              const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size) {
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be a bf16 [rows, in] matrix");
-  const auto q_dtype = bits == 8 ? at::kChar : at::kByte;
-  TORCH_CHECK(q.scalar_type() == q_dtype && q.is_contiguous() && q.dim() == (bits == 8 ? 4 : 3) &&
-                  q.size(2) == kBlockCols && (bits == 4 || q.size(3) == 2) && q.size(1) % (kTileK / 2) == 0,
-              "q must be int8 [out/32, in/2, 32, 2] VNNI blocks (uint8 [out/32, in/2, 32] for int4)");
-  const int64_t m = x.size(0), n = q.size(0) * kBlockCols, k = q.size(1) * 2;
-  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns, the weight takes ", k);
-  TORCH_CHECK(group_size > 0 && group_size % kTileK == 0, "group_size must be a multiple of 32, got ", group_size);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
-                  scale.size(0) == num_groups(k, group_size) && scale.size(1) == n,
-              "scale must be float32 [groups, out]");
-  if (zero) TORCH_CHECK(zero->sizes() == scale.sizes() && zero->scalar_type() == at::kFloat && zero->is_contiguous(),
-                        "zero must match scale");
-  at::Tensor out = at::empty({m, n}, x.options());
+  return vnni::lowbit_blocks_linear(x, q, scale, zero, bits, group_size,
+                                    [](const uint16_t* xp, const vnni::LowBitBlocks& b, uint16_t* op, int64_t m) {
 #ifdef KVYARD_HAS_AMX
-  TORCH_CHECK(amx_ready(), "AMX is not available on this CPU or was refused by the OS");
-  const at::Tensor xc = x.contiguous();
-  const LowBitWeight w{reinterpret_cast<const uint8_t*>(q.data_ptr()), scale.data_ptr<float>(),
-                       zero ? zero->data_ptr<float>() : nullptr, group_size};
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  if (m > 0 && m <= gemv_max_rows(bits)) bits == 8 ? lowbit_gemv<8>(xp, w, op, m, n, k) : lowbit_gemv<4>(xp, w, op, m, n, k);
-  else if (m > 0) bits == 8 ? lowbit_matmul<8>(xp, w, op, m, n, k) : lowbit_matmul<4>(xp, w, op, m, n, k);
+    TORCH_CHECK(amx_ready(), "AMX is not available on this CPU or was refused by the OS");
+    const LowBitWeight w{b.q, b.scale, b.zero, b.group};
+    if (m <= gemv_max_rows(b.bits)) b.bits == 8 ? lowbit_gemv<8>(xp, w, op, m, b.n, b.k) : lowbit_gemv<4>(xp, w, op, m, b.n, b.k);
+    else b.bits == 8 ? lowbit_matmul<8>(xp, w, op, m, b.n, b.k) : lowbit_matmul<4>(xp, w, op, m, b.n, b.k);
 #else
-  TORCH_CHECK(false, "kvyard was compiled for a CPU without AMX");
+    TORCH_CHECK(false, "kvyard was compiled for a CPU without AMX");
 #endif
-  return out;
+  });
 }
 
-}  // namespace
+}  // namespace kvyard::ops
 
 TORCH_LIBRARY_FRAGMENT(kvyard, m) {
   m.def("amx_linear_lowbit(Tensor x, Tensor q, Tensor scale, Tensor? zero, int bits, int group_size) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("amx_linear_lowbit", &amx_linear_lowbit); }
+TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("amx_linear_lowbit", &kvyard::ops::amx_linear_lowbit); }

@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -272,6 +273,10 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
 
 // q [rows, heads, head_dim] (rows may be strided); k_cache / v_cache [slots, kv_heads, head_dim] in q's dtype, or int8 with
 // k_scale / v_scale [slots, kv_heads]; block_table [rows, max_blocks] int64; seq_lens [rows] int64.
+}  // namespace
+
+namespace kvyard::ops {
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const std::optional<at::Tensor>& k_scale,
                                   const std::optional<at::Tensor>& v_scale, const at::Tensor& block_table,
@@ -311,11 +316,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-}  // namespace
+}  // namespace kvyard::ops
 
 TORCH_LIBRARY_FRAGMENT(kvyard, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
         "Tensor block_table, Tensor seq_lens, int block_size, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("paged_decode_attention", &kvyard::ops::paged_decode_attention); }

@@ -12,6 +12,7 @@
 
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 #include "widened_rows.h"
 
@@ -56,6 +57,10 @@ bool gemv(const float* x, const uint16_t* w, int64_t n, int64_t k, at::BFloat16*
 }
 #endif
 
+}  // namespace
+
+namespace kvyard::ops {
+
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "x must be a contiguous bf16 [rows, in] matrix");
@@ -78,8 +83,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
   return out;
 }
 
-}  // namespace
+}  // namespace kvyard::ops
 
 TORCH_LIBRARY_FRAGMENT(kvyard, m) { m.def("linear_bf16(Tensor x, Tensor w) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("linear_bf16", &linear_bf16); }
+TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("linear_bf16", &kvyard::ops::linear_bf16); }

@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 #include "widened_rows.h"
 
@@ -267,6 +268,10 @@ void lowbit_rows(const T* x, const uint8_t* q, const float* scale, const float* 
   }, out);
 }
 
+}  // namespace
+
+namespace kvyard::ops {
+
 // y [rows, out_features] = x . W^T for x [rows, K] (K padded as the weight is).
 at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                          const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size, int64_t out_features) {
@@ -306,7 +311,7 @@ at::Tensor lowbit_dequantize(const at::Tensor& q, const at::Tensor& scale, const
   return w;
 }
 
-}  // namespace
+}  // namespace kvyard::ops
 
 TORCH_LIBRARY_FRAGMENT(kvyard, m) {
   m.def("lowbit_linear(Tensor x, Tensor q, Tensor scale, Tensor? zero, int bits, int group_size, int out_features) -> Tensor");
@@ -314,6 +319,6 @@ TORCH_LIBRARY_FRAGMENT(kvyard, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvyard, CPU, m) {
-  m.impl("lowbit_linear", &lowbit_linear);
-  m.impl("lowbit_dequantize", &lowbit_dequantize);
+  m.impl("lowbit_linear", &kvyard::ops::lowbit_linear);
+  m.impl("lowbit_dequantize", &kvyard::ops::lowbit_dequantize);
 }

@@ -8,6 +8,7 @@
 
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -69,16 +70,6 @@ at::Tensor norm_impl(const at::Tensor& x, const std::optional<at::Tensor>& delta
   return out;
 }
 
-// weight * (x / rms(x)), as HF's LlamaRMSNorm.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return norm_impl(x, std::nullopt, weight, eps);
-}
-
-// x += delta in place, then rms_norm(x): the residual stream's add fused with the next layer norm.
-at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
-  return norm_impl(x, delta, weight, eps);
-}
-
 // g[i] = silu(g[i]) * u[i], silu rounded to T first as F.silu's output is. (A function of its own with
 // __restrict pointers: inlined into the row loop, the compiler could not prove g and u apart.)
 template <typename T>
@@ -100,6 +91,20 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
   });
 }
 
+}  // namespace
+
+namespace kvyard::ops {
+
+// weight * (x / rms(x)), as HF's LlamaRMSNorm.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return norm_impl(x, std::nullopt, weight, eps);
+}
+
+// x += delta in place, then rms_norm(x): the residual stream's add fused with the next layer norm.
+at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  return norm_impl(x, delta, weight, eps);
+}
+
 // silu(gate_up[:, :I]) * gate_up[:, I:] for the fused gate|up projection's output [rows, 2I].
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
@@ -116,7 +121,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
+}  // namespace kvyard::ops
 
 TORCH_LIBRARY_FRAGMENT(kvyard, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -125,7 +130,7 @@ TORCH_LIBRARY_FRAGMENT(kvyard, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvyard, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("rms_norm", &kvyard::ops::rms_norm);
+  m.impl("add_rms_norm_", &kvyard::ops::add_rms_norm_);
+  m.impl("silu_mul", &kvyard::ops::silu_mul);
 }

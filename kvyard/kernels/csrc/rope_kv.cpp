@@ -10,6 +10,7 @@
 #include <cmath>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -75,6 +76,10 @@ void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
   });
 }
 
+}  // namespace
+
+namespace kvyard::ops {
+
 // qkv [tokens, heads + 2 * kv_heads, head_dim], rotated in place on its q and k heads; cos / sin
 // [tokens, head_dim] (sin with rotate_half's sign); the rotated k and the v rows are copied to
 // k_cache / v_cache [slots, kv_heads, head_dim] at `slots` [tokens]: in qkv's dtype, or int8 with
@@ -119,11 +124,11 @@ void rope_write_kv_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin
   }
 }
 
-}  // namespace
+}  // namespace kvyard::ops
 
 TORCH_LIBRARY_FRAGMENT(kvyard, m) {
   m.def("rope_write_kv_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor(d!)? k_scale, Tensor(e!)? v_scale, Tensor slots) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("rope_write_kv_", &rope_write_kv_); }
+TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("rope_write_kv_", &kvyard::ops::rope_write_kv_); }

@@ -1,0 +1,79 @@
+"""A decode step's decoder layers in one C++ call (csrc/decode_stack.cpp), where every weight has a kvyard kernel.
+
+A batch-1 step on CPU runs ~10 small kernels per layer; calling them one by one from Python cost about as much
+as the kernels themselves outside the matmuls (~2.5 ms of an ~11 ms SmolLM2 step on a 2-core AMD EPYC). The
+C++ stack makes the same calls in the same order, so its outputs are bit-identical to `DecoderModel.run_layer`.
+
+It takes steps of decodes only, up to FUSED_MAX_ROWS rows, on CPU in fp32 or bf16, and only where each weight
+is one of the forms below; anything else (prefill chunks, oneDNN-packed weights, GPUs) runs layer by layer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvyard.kernels import cpu as cpu_kernels
+from kvyard.models import linear as linear_mod
+from kvyard.models.linear import VnniWeight, Weight
+from kvyard.quant.qlinear import PlainLowBitLinear, VnniLowBitLinear
+
+if TYPE_CHECKING:
+    from kvyard.models.attention import AttentionMetadata
+    from kvyard.models.decoder import DecoderModel
+    from kvyard.models.kv_layer import LayerKV
+
+# Up to this many rows every form below takes the kernel `linear()` gives it (plain bf16 weights switch to the
+# fp32 GEMM past 32 rows), so the stack and the layer-by-layer path agree exactly.
+FUSED_MAX_ROWS = linear_mod.FEW_ROWS
+# csrc/decode_stack.cpp's Kind
+DPBF16, AMX, LOW_BIT, AMX_LOW_BIT, LINEAR_BF16, DENSE, VNNI_LOW_BIT = range(7)
+
+LinearSpec = tuple[int, list[torch.Tensor | None], list[int]]  # kind, (weight, scale, zero, bias), 4 ints
+
+
+def linear_spec(w: Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearSpec | None:
+    """How the C++ stack multiplies by `w` for a few rows, as `linear(x, w, bias)` does; None where it cannot."""
+    if isinstance(w, VnniWeight):
+        return (AMX if cpu_kernels.amx_available() else DPBF16), [w.blocks, None, None, bias], [0, 0, 0, 0]
+    if isinstance(w, PlainLowBitLinear):
+        return LOW_BIT, [w.q, w.scale, w.zero, bias], [w.bits, w.group_size, w.out_features, w.k_pad]
+    if isinstance(w, VnniLowBitLinear) and dtype == torch.bfloat16:
+        kind = AMX_LOW_BIT if cpu_kernels.amx_available() else VNNI_LOW_BIT
+        return kind, [w.q, w.scale, w.zero, bias], [w.bits, w.group_size, w.out_features, 0]
+    if isinstance(w, torch.Tensor) and w.layout == torch.strided and not w.is_mkldnn and w.dtype == dtype:
+        if dtype == torch.float32:
+            return DENSE, [w, None, None, bias], [0, 0, 0, 0]
+        if w.is_contiguous() and linear_mod.plain_bf16_cpu():
+            return LINEAR_BF16, [w, None, None, bias], [0, 0, 0, 0]
+    return None
+
+
+def build_decode_stack(model: DecoderModel) -> torch.ScriptObject | None:
+    """The model's layers as a DecodeStack, or None where some weight (or the device) has no kernel here."""
+    cfg = model.cfg
+    if model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16) or not cpu_kernels.available():
+        return None
+    stack = torch.classes.kvyard.DecodeStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+    for layer in model.layers:
+        specs = [linear_spec(layer.qkv, layer.qkv_bias, model.dtype), linear_spec(layer.o, None, model.dtype),
+                 linear_spec(layer.gate_up, None, model.dtype), linear_spec(layer.down, None, model.dtype)]
+        if any(s is None for s in specs):
+            return None
+        stack.add_layer(layer.input_norm, layer.post_norm, layer.qk_norm, layer.qk_scale, [s[0] for s in specs],
+                        [t for s in specs for t in s[1]], [i for s in specs for i in s[2]])
+    return stack
+
+
+def takes_step(x: torch.Tensor, meta: AttentionMetadata, caches: list[LayerKV]) -> bool:
+    """Whether this step is one the stack runs: decodes only, few rows, caches the fused RoPE kernel writes."""
+    return (not meta.prefills and meta.decode_blocks is not None and 0 < x.shape[0] <= FUSED_MAX_ROWS
+            and all(c.quantized or c.k.dtype == x.dtype for c in caches))
+
+
+def run_decode_stack(stack: torch.ScriptObject, x: torch.Tensor, meta: AttentionMetadata, caches: list[LayerKV],
+                     cos: torch.Tensor, sin: torch.Tensor) -> None:
+    stack.forward(x, cos, sin, [c.k for c in caches], [c.v for c in caches], [c.k_scale for c in caches],
+                  [c.v_scale for c in caches], meta.slot_mapping, meta.decode_blocks, meta.decode_lens,
+                  meta.block_size)

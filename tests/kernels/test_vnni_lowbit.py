@@ -1,0 +1,117 @@
+"""The low-bit kernels over VNNI blocks (csrc/amx_lowbit.cpp on AMX CPUs, csrc/vnni_lowbit.cpp on other AVX-512
+ones) against the exact product with the dequantized weight."""
+
+import pytest
+import torch
+
+from kvyard.kernels import cpu as cpu_kernels
+from kvyard.quant.qlinear import (
+    KERNEL_MAX_ROWS,
+    PlainLowBitLinear,
+    VnniLowBitLinear,
+    make_linear,
+    vnni_lowbit_kernel,
+)
+from kvyard.quant.qtensor import QuantizedTensor
+from kvyard.quant.scheme import parse_weight_scheme
+
+CPU = torch.device("cpu")
+SCHEMES = ["int8", "int4-g32", "int4-g64-asym", "int4-g128", "int4-g128-asym"]
+AMX = cpu_kernels.amx_available()
+needs_vnni = pytest.mark.skipif(not (AMX or cpu_kernels.vnni_lowbit_available()),
+                                reason="this CPU has neither AMX nor AVX-512 VNNI and BF16")
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize(("out", "inp"), [(32, 128), (96, 576), (64, 1536)])  # 576: a short last group
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 16, 17, 33, KERNEL_MAX_ROWS, 300])  # AMX 1-4: its vector loops
+def test_rounds_the_exact_result_once(name, out, inp, rows):
+    """Scales go onto each group's fp32 sum, so the output is the exact x @ dequantized.T rounded once
+    to bf16 (within one bf16 step; fp32 summation adds far less). (One row on the AVX-512 kernel rounds x to
+    int16 first: the next test.)"""
+    if rows == 1 and not AMX:
+        pytest.skip("one row takes the int16 path here")
+    g = torch.Generator().manual_seed(rows + out + inp)
+    qt = QuantizedTensor.quantize(torch.randn(out, inp, generator=g), parse_weight_scheme(name))
+    lin = make_linear(qt, torch.bfloat16, CPU)
+    assert isinstance(lin, VnniLowBitLinear)
+    x = torch.randn(rows, inp, generator=g).bfloat16()
+    exact = x.double() @ qt.dequantize().double().T
+    got = lin(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+    err = (got.double() - exact).abs()
+    assert (err <= _bf16_ulp(exact) + 1e-4 * exact.abs().max()).all(), err.max()
+
+
+@pytest.mark.skipif(AMX or not cpu_kernels.vnni_lowbit_available(), reason="the AVX-512 kernel's one-row path")
+@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize("inp", [128, 576, 1536])
+def test_one_row_is_within_the_int16_rounding_of_x(name, inp):
+    """One bf16 row: x rounded to int16 per run of up to 128 values inside a weight group. Each output may move by
+    at most sum_j |w_ij| * max|x in j's run| / 65534 from the exact product, plus the bf16 rounding of the output
+    (and 2^-24 of it for the int32 sums' conversion). An outlier channel only coarsens its own run."""
+    torch.manual_seed(inp)
+    scheme = parse_weight_scheme(name)
+    qt = QuantizedTensor.quantize(torch.randn(96, inp), scheme)
+    lin = VnniLowBitLinear(qt)
+    x = torch.randn(1, inp)
+    x[0, 5], x[0, inp - 7] = 300.0, -40.0
+    x = x.bfloat16()
+    w = qt.dequantize().double()
+    ref = (x.double() @ w.T)[0]
+    run = next(r for r in (128, 64, 32) if qt.group_size % r == 0)
+    padded = torch.nn.functional.pad(x.double().abs(), (0, -inp % run)).view(-1, run).amax(-1)
+    run_max = padded.repeat_interleave(run)[:inp]
+    bound = (w.abs() @ run_max) / 65534 + ref.abs() * (2.0**-8 + 2.0**-23) + 1e-6
+    err = (lin(x)[0].double() - ref).abs()
+    assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g}"
+    assert bound.max() < 0.02 * ref.abs().max()  # a tight bound: int8 rounding of x would break it
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", SCHEMES)
+def test_blocked_layout_dequantizes_back(name):
+    qt = QuantizedTensor.quantize(torch.randn(64, 256), parse_weight_scheme(name))
+    lin = VnniLowBitLinear(qt)
+    assert torch.allclose(lin.dequantize(torch.float32), qt.dequantize(), atol=1e-6)
+    # many rows (a prefill chunk): the dequantized weight through the dense GEMM (AMX), or the register kernel
+    x = torch.randn(KERNEL_MAX_ROWS + 1, 256).bfloat16()
+    exact = x.double() @ qt.dequantize().double().T
+    assert ((lin(x).double() - exact).abs() <= 2 * _bf16_ulp(exact) + 0.01 * exact.abs().max()).all()
+
+
+@needs_vnni
+def test_sizes_and_fallbacks():
+    w = torch.randn(512, 1024)
+    int8 = make_linear(QuantizedTensor.quantize(w, parse_weight_scheme("int8")), torch.bfloat16, CPU)
+    int4 = make_linear(QuantizedTensor.quantize(w, parse_weight_scheme("int4-g128")), torch.bfloat16, CPU)
+    assert isinstance(int8, VnniLowBitLinear) and isinstance(int4, VnniLowBitLinear)
+    assert int8.nbytes < 0.52 * w.bfloat16().nbytes
+    assert int4.nbytes < 0.27 * w.bfloat16().nbytes
+    # shapes the blocks do not fit, and fp32 models, take the portable kernel
+    assert isinstance(make_linear(QuantizedTensor.quantize(torch.randn(40, 64), parse_weight_scheme("int8")),
+                                  torch.bfloat16, CPU), PlainLowBitLinear)
+    assert isinstance(make_linear(QuantizedTensor.quantize(w, parse_weight_scheme("int8")), torch.float32, CPU),
+                      PlainLowBitLinear)
+
+
+@needs_vnni
+def test_bad_inputs_raise():
+    lin = VnniLowBitLinear(QuantizedTensor.quantize(torch.randn(32, 64), parse_weight_scheme("int4-g32")))
+    op = vnni_lowbit_kernel()
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="columns"):
+        op(torch.randn(2, 32).bfloat16(), lin.q, lin.scale, lin.zero, 4, 32)
+    with pytest.raises(RuntimeError, match="bits"):
+        op(x, lin.q, lin.scale, lin.zero, 3, 32)
+    with pytest.raises(RuntimeError, match="group_size"):
+        op(x, lin.q, lin.scale, lin.zero, 4, 48)
+    with pytest.raises(RuntimeError, match="scale"):
+        op(x, lin.q, lin.scale, lin.zero, 4, 64)  # one group of 64 where the scales have two
+    with pytest.raises(RuntimeError, match="scale"):
+        op(x, lin.q, lin.scale[:, :16].contiguous(), lin.zero, 4, 32)
