@@ -2,8 +2,8 @@
 over the same matrices and inputs (distinct weights per layer, so nothing stays in cache between layers).
 
 usage: python tools/gemm_stream.py            bf16: oneDNN's packed GEMM against kvyard's VNNI blocks (AMX or
-                                              AVX512-BF16 kernel), the
-                                              121 matmuls of a step (30 layers and the LM head)
+                                              AVX512-BF16 kernel), the 121 matmuls of a step (30 layers
+                                              and the LM head)
        python tools/gemm_stream.py --lowbit   the 120 layer matmuls: bf16 as the model holds it, int8 and
                                               int4-g128 on PyTorch's kernels, kvyard's portable kernel and
                                               (with AMX or AVX-512 VNNI) kvyard's VNNI-block kernel

@@ -50,6 +50,8 @@ def add_quant_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="weight rounding, as for kvyard quantize: rtn (round to nearest) or gptq")
     p.add_argument("--scaling", choices=SCALINGS, default=DEFAULT_SCALING,
                    help="as for kvyard quantize: auto, awq (activation-aware column scales) or none")
+    p.add_argument("--outlier-columns", type=float, default=0.0,
+                   help="as for kvyard quantize: share of each layer's input columns kept in full precision")
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per measurement")
@@ -136,7 +138,8 @@ def run_quant_bench(args: argparse.Namespace) -> int:
         r = quantize_model(QuantizeOptions(model=str(model_path), scheme=scheme, out=out_root / scheme,
                                            kl_budget=args.kl_budget, mixed_weight=args.mixed_weight,
                                            dtype=measure_dtype, sensitivity=scheme == "mixed", protect=protect,
-                                           rounding=args.rounding, scaling=args.scaling))
+                                           rounding=args.rounding, scaling=args.scaling,
+                                           outlier_columns=args.outlier_columns))
         f32 = saved_fidelity(fp32_source, out_root / scheme)
         fidelity[scheme] = {**_fidelity_row(r), **_fp32_row(f32), "quantize_s": time.perf_counter() - t0}
         paths[scheme] = str(out_root / scheme)
@@ -162,7 +165,8 @@ def run_quant_bench(args: argparse.Namespace) -> int:
                 entry[f"speedup_b{b}_per_round"] = [round(rd[f"{name}.b{b}"] / rd[f"{base}.b{b}"], 3) for rd in rounds]
         table[name] = entry
     result = {
-        "model": model_path.name, "dtype": args.dtype, "fidelity_dtype": measure_dtype, "rounding": args.rounding, "scaling": args.scaling, "baseline": base, "machine": machine_info(),
+        "model": model_path.name, "dtype": args.dtype, "fidelity_dtype": measure_dtype, "rounding": args.rounding,
+        "scaling": args.scaling, "outlier_columns": args.outlier_columns, "baseline": base, "machine": machine_info(),
         "workload": {"input_len": args.input_len, "decode_steps": args.decode_steps, "batch_sizes": batches,
                      "repeats": args.repeats},
         "schemes": table, "rounds": rounds, "checkpoints": str(out_root),

@@ -13,7 +13,8 @@ from kvyard.models.config import ModelConfig
 from kvyard.quant.plan import Plan, linear_units, plan_from_config
 from kvyard.quant.qtensor import QuantizedTensor
 
-_PARTS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+_PARTS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
+          "weight_outlier_columns", "weight_outliers")  # the last two: kvyard's outlier columns (qtensor.py)
 
 
 def read_plan(hf_config: dict[str, Any], config: ModelConfig, where: str) -> Plan:

@@ -30,24 +30,28 @@ FUSED_MAX_ROWS = linear_mod.FEW_ROWS
 # csrc/decode_stack.cpp's Kind
 DPBF16, AMX, LOW_BIT, AMX_LOW_BIT, LINEAR_BF16, DENSE, VNNI_LOW_BIT = range(7)
 
-LinearSpec = tuple[int, list[torch.Tensor | None], list[int]]  # kind, (weight, scale, zero, bias), 4 ints
+# kind, (weight, scale, zero, bias, outlier_cols, outliers), (bits, group, out_features, k_pad)
+LinearSpec = tuple[int, list[torch.Tensor | None], list[int]]
 
 
 def linear_spec(w: Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> LinearSpec | None:
     """How the C++ stack multiplies by `w` for a few rows, as `linear(x, w, bias)` does; None where it cannot."""
+    none = [0, 0, 0, 0]
     if isinstance(w, VnniWeight):
-        return (AMX if cpu_kernels.amx_available() else DPBF16), [w.blocks, None, None, bias], [0, 0, 0, 0]
+        return (AMX if cpu_kernels.amx_available() else DPBF16), [w.blocks, None, None, bias, None, None], none
     if isinstance(w, PlainLowBitLinear):
-        return LOW_BIT, [w.q, w.scale, w.zero, bias], [w.bits, w.group_size, w.out_features, w.k_pad]
+        return LOW_BIT, [w.q, w.scale, w.zero, bias, None, None], [w.bits, w.group_size, w.out_features, w.k_pad]
     if isinstance(w, VnniLowBitLinear) and dtype == torch.bfloat16:
-        kind = AMX_LOW_BIT if cpu_kernels.amx_available() else VNNI_LOW_BIT
-        return kind, [w.q, w.scale, w.zero, bias], [w.bits, w.group_size, w.out_features, 0]
+        ints = [w.bits, w.group_size, w.out_features, 0]
+        if not cpu_kernels.amx_available():  # the AVX-512 kernel adds outlier columns itself
+            return VNNI_LOW_BIT, [w.q, w.scale, w.zero, bias, w.outlier_cols, w.outliers], ints
+        return None if w.outliers is not None else (AMX_LOW_BIT, [w.q, w.scale, w.zero, bias, None, None], ints)
     if isinstance(w, torch.Tensor) and w.layout == torch.strided and not w.is_mkldnn and w.dtype == dtype:
         if dtype == torch.float32:
-            return DENSE, [w, None, None, bias], [0, 0, 0, 0]
+            return DENSE, [w, None, None, bias, None, None], none
         if w.is_contiguous() and linear_mod.plain_bf16_cpu():
-            return LINEAR_BF16, [w, None, None, bias], [0, 0, 0, 0]
-    return None
+            return LINEAR_BF16, [w, None, None, bias, None, None], none
+    return None  # e.g. a layer with outlier columns on a kernel that does not add them (OutlierColumns)
 
 
 def build_decode_stack(model: DecoderModel) -> torch.ScriptObject | None:

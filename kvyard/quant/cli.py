@@ -17,7 +17,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         model=args.model, scheme=args.scheme, out=Path(args.out), calib=args.calib, kl_budget=args.kl_budget,
         protect=protect, mixed_weight=args.mixed_weight, dtype=args.dtype, max_seq_len=args.max_seq_len,
         sensitivity=not args.no_sensitivity, tool_eval=not args.no_tool_eval, rounding=args.rounding,
-        scaling=args.scaling,
+        scaling=args.scaling, outlier_columns=args.outlier_columns,
     )
     result = quantize_model(opts)
     paths = write_report(result, Path(args.out))
@@ -48,6 +48,9 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scaling", choices=SCALINGS, default=DEFAULT_SCALING,
                    help="awq: scale each layer's input channels by their activation size before rounding, "
                    "folded into the op before it; none: plain rounding; auto (default): both, keep the lower KL")
+    p.add_argument("--outlier-columns", type=float, default=0.0,
+                   help="share of each layer's input columns (those with the largest activations on the calibration "
+                   "set) kept in full precision beside the low-bit codes, as LLM.int8() does; e.g. 0.02")
     p.add_argument("--no-sensitivity", action="store_true", help="skip the per-layer sensitivity pass (not for mixed)")
     p.add_argument("--no-tool-eval", action="store_true", help="skip the tool-call JSON generation check")
     p.set_defaults(func=cmd_quantize)

@@ -52,6 +52,33 @@ def dequantized_linear(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.dequantize(x.dtype))
 
 
+def outlier_term(x: torch.Tensor, cols: torch.Tensor, weights_t: torch.Tensor) -> torch.Tensor:
+    """x[:, cols] @ W_c^T in fp32: what a layer's full-precision outlier columns (weights_t [C, N]) add."""
+    return x[:, cols].float() @ weights_t.float()
+
+
+class OutlierColumns:
+    """A low-bit layer whose kernel knows nothing of outlier columns, plus those columns in fp32: the codes are
+    zero there, so y = layer(x) + x[:, cols] @ W_c^T (one more small matmul per call)."""
+
+    def __init__(self, inner: "QuantizedLinear", cols: torch.Tensor, outliers: torch.Tensor):
+        self.inner = inner
+        self.out_features, self.in_features = inner.out_features, inner.in_features
+        self.cols, self.weights_t = cols, outliers.t().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.inner(x).float() + outlier_term(x, self.cols, self.weights_t)).to(x.dtype)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        w = self.inner.dequantize(torch.float32)
+        w[:, self.cols] = self.weights_t.t()
+        return w.to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes + self.cols.nbytes + self.weights_t.nbytes
+
+
 def _kernels_available(device: torch.device) -> bool:
     return device.type == "cpu"
 
@@ -191,6 +218,12 @@ class VnniLowBitLinear(_KvyardLowBit):
         self.scale = qt.scale.t().contiguous()
         zero = self._zero_term(qt)
         self.zero = None if zero is None else zero.t().contiguous()
+        # outlier columns: indices and their weights in the model's bf16 (the dense model's own values), which
+        # the AVX-512 kernel adds itself, block by block: [N/32, C, 32], read in step with the codes (as [C, N]
+        # every block touched C far-apart lines, and SmolLM2's int8 layers with 5% kept ran 1.6x slower)
+        self.outlier_cols = qt.outlier_cols
+        self.outliers = None if qt.outliers is None else (
+            qt.outliers.bfloat16().reshape(n // vnni.BLOCK_COLS, vnni.BLOCK_COLS, -1).transpose(1, 2).contiguous())
 
     @classmethod
     def fits(cls, qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> bool:
@@ -201,9 +234,20 @@ class VnniLowBitLinear(_KvyardLowBit):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # The AVX-512 kernel takes every row count: widening the codes in registers beat dequantize-then-GEMM
         # 2-10x from 64 to 512 rows on a 2-core AMD EPYC (Zen 4), within 1.0-1.3x of the bf16 kernel.
-        if x.dtype == torch.bfloat16 and (x.shape[0] <= KERNEL_MAX_ROWS or not cpu_kernels.amx_available()):
-            return vnni_lowbit_kernel()(x, self.q, self.scale, self.zero, self.bits, self.group_size)
-        return dequantized_linear(self, x)
+        amx = _on_amx()
+        if x.dtype != torch.bfloat16 or (x.shape[0] > KERNEL_MAX_ROWS and amx):
+            return dequantized_linear(self, x)
+        if not amx:
+            return torch.ops.kvyard.vnni_lowbit_linear(x, self.q, self.scale, self.zero, self.bits, self.group_size,
+                                                       self.outlier_cols, self.outliers)
+        y = torch.ops.kvyard.amx_linear_lowbit(x, self.q, self.scale, self.zero, self.bits, self.group_size)
+        if self.outliers is None:
+            return y
+        return (y.float() + outlier_term(x, self.outlier_cols, self._outlier_weights().t())).to(y.dtype)
+
+    def _outlier_weights(self) -> torch.Tensor:
+        """The kept columns' weights as [N, C], back from the blocked layout."""
+        return self.outliers.transpose(1, 2).reshape(self.out_features, -1)  # type: ignore[union-attr]
 
     def _values(self) -> torch.Tensor:
         """q as float32 [N, K], back from the blocked layout."""
@@ -214,14 +258,21 @@ class VnniLowBitLinear(_KvyardLowBit):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         zero = None if self.zero is None else self.zero.t()
-        return _scaled(self._values(), self.scale.t(), zero, self.group_size, dtype)
+        w = _scaled(self._values(), self.scale.t(), zero, self.group_size, torch.float32)
+        if self.outliers is not None:
+            w[:, self.outlier_cols] = self._outlier_weights().float()
+        return w.to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.outliers is None else self.outliers.nbytes + self.outlier_cols.nbytes  # type: ignore[union-attr]
+        return super().nbytes + extra
 
 
 
 @functools.cache
-def vnni_lowbit_kernel():
-    """The op that runs VnniLowBitLinear here (looked up once: a decode step makes ~120 such calls)."""
-    return torch.ops.kvyard.amx_linear_lowbit if cpu_kernels.amx_available() else torch.ops.kvyard.vnni_lowbit_linear
+def _on_amx() -> bool:  # asked once: a decode step makes ~120 low-bit calls
+    return cpu_kernels.amx_available()
 
 
 class PlainLowBitLinear(_KvyardLowBit, _PaddedInput):
@@ -276,7 +327,9 @@ def make_linear(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -
     """The fastest low-bit form here: kvyard's VNNI blocks (AMX or AVX-512 kernel), else its portable kernel, else
     PyTorch's own."""
     if VnniLowBitLinear.fits(qt, dtype, device):
-        return VnniLowBitLinear(qt)
+        return VnniLowBitLinear(qt)  # adds its outlier columns itself
     if PlainLowBitLinear.fits(qt, dtype, device):
-        return PlainLowBitLinear(qt)
-    return Int8Linear(qt, dtype, device) if qt.scheme.bits == 8 else Int4Linear(qt, dtype, device)
+        inner: QuantizedLinear = PlainLowBitLinear(qt)
+    else:
+        inner = Int8Linear(qt, dtype, device) if qt.scheme.bits == 8 else Int4Linear(qt, dtype, device)
+    return inner if qt.outliers is None else OutlierColumns(inner, qt.outlier_cols, qt.outliers)  # type: ignore[arg-type]

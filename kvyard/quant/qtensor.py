@@ -5,6 +5,11 @@ compressed-tensors: int8 weights are stored as `weight` (int8) with `weight_scal
 as `weight_packed` (eight 4-bit values per int32 along K, offset by 8), `weight_scale` [N, groups],
 `weight_zero_point` [N, groups] when asymmetric, and `weight_shape`. Kernel-ready forms are built from
 it by kvyard.quant.qlinear.
+
+Outlier columns (`kvyard quantize --outlier-columns`, as LLM.int8() keeps outlier features in 16 bits): a
+few input columns, those whose activations are largest, can be kept in full precision beside the codes,
+which are zero there. kvyard stores them as `weight_outlier_columns` (int64 [C]) and `weight_outliers`
+(float32 [N, C]), an extension compressed-tensors does not define.
 """
 
 from dataclasses import dataclass
@@ -21,6 +26,8 @@ class QuantizedTensor:
     q: torch.Tensor  # int8 [N, K], values in [scheme.qmin, scheme.qmax]
     scale: torch.Tensor  # float32 [N, groups]; groups = 1 per channel, else ceil(K / group_size)
     zero_point: torch.Tensor | None = None  # int8 [N, groups], asymmetric only: w = (q - zp) * scale
+    outlier_cols: torch.Tensor | None = None  # int64 [C], ascending: input columns kept in full precision
+    outliers: torch.Tensor | None = None  # float32 [N, C]: their weights (the codes there dequantize to 0)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -31,9 +38,18 @@ class QuantizedTensor:
         return self.scheme.group_size or self.shape[1]
 
     @classmethod
-    def quantize(cls, w: torch.Tensor, scheme: WeightScheme) -> "QuantizedTensor":
+    def quantize(cls, w: torch.Tensor, scheme: WeightScheme,
+                 outlier_cols: torch.Tensor | None = None) -> "QuantizedTensor":
         """Round to nearest, one scale (and zero point) per group. Shrinking ranges to clip outliers was
-        tried and measured: lower weight error, but higher KL on the GGUF models this runs on."""
+        tried and measured: lower weight error, but higher KL on the GGUF models this runs on.
+        `outlier_cols` are kept as they are and left out of the rounding (and of its scales)."""
+        if outlier_cols is not None and outlier_cols.numel():
+            cols = outlier_cols.to(torch.int64).sort().values
+            rest = w.float().clone()
+            rest[:, cols] = 0.0
+            qt = cls.quantize(rest, scheme)
+            qt.outlier_cols, qt.outliers = cols.contiguous(), w[:, cols].float().contiguous()
+            return qt
         n, k = w.shape
         group = scheme.group_size or k
         groups = -(-k // group)
@@ -52,12 +68,18 @@ class QuantizedTensor:
         q = self.q.float()
         if self.zero_point is not None:
             q = q - self._per_column(self.zero_point.float())
-        return q * self._per_column(self.scale)
+        w = q * self._per_column(self.scale)
+        if self.outliers is not None:
+            w[:, self.outlier_cols] = self.outliers
+        return w
 
     def rows(self, start: int, stop: int) -> "QuantizedTensor":
         """Output rows start..stop-1 (one member of a fused weight)."""
-        zp = None if self.zero_point is None else self.zero_point[start:stop].contiguous()
-        return QuantizedTensor(self.scheme, self.q[start:stop].contiguous(), self.scale[start:stop].contiguous(), zp)
+        def part(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[start:stop].contiguous()
+
+        return QuantizedTensor(self.scheme, part(self.q), part(self.scale), part(self.zero_point),  # type: ignore[arg-type]
+                               self.outlier_cols, part(self.outliers))
 
     @staticmethod
     def cat(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
@@ -68,13 +90,17 @@ class QuantizedTensor:
                 "fused projections (q|k|v, gate|up) must share one quantization scheme and input size; "
                 f"got {[p.scheme.name for p in parts]}"
             )
-        zps = [p.zero_point for p in parts]
-        return QuantizedTensor(
-            first.scheme,
-            torch.cat([p.q for p in parts]),
-            torch.cat([p.scale for p in parts]),
-            None if zps[0] is None else torch.cat(zps),  # type: ignore[arg-type]
-        )
+        cols = first.outlier_cols
+        if any((p.outlier_cols is None) != (cols is None) or (cols is not None and not torch.equal(p.outlier_cols, cols))
+               for p in parts):
+            raise CheckpointError("fused projections (q|k|v, gate|up) read one input, so they must keep the same "
+                                  "outlier columns")
+
+        def joined(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+            return None if ts[0] is None else torch.cat(ts)  # type: ignore[arg-type]
+
+        return QuantizedTensor(first.scheme, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                               joined([p.zero_point for p in parts]), cols, joined([p.outliers for p in parts]))
 
     # ---- compressed-tensors layout ---------------------------------------------------------------
 
@@ -88,6 +114,9 @@ class QuantizedTensor:
             out[prefix + "weight_shape"] = torch.tensor(self.shape, dtype=torch.int64)
         if self.zero_point is not None:
             out[prefix + "weight_zero_point"] = self.zero_point
+        if self.outliers is not None:
+            out[prefix + "weight_outlier_columns"] = self.outlier_cols  # type: ignore[assignment]
+            out[prefix + "weight_outliers"] = self.outliers.to(torch.float32)
         return out
 
     @classmethod
@@ -113,7 +142,15 @@ class QuantizedTensor:
             )
         if not scheme.symmetric and zp is None:
             raise CheckpointError(f"{source}: asymmetric layer {prefix[:-1]} lacks {prefix}weight_zero_point")
-        return cls(scheme, q, scale, None if zp is None else zp.to(torch.int8))
+        cols, outliers = tensors.get(prefix + "weight_outlier_columns"), tensors.get(prefix + "weight_outliers")
+        if (cols is None) != (outliers is None) or (
+                cols is not None and (cols.dim() != 1 or tuple(outliers.shape) != (q.shape[0], cols.numel())  # type: ignore[union-attr]
+                                      or not bool(((cols >= 0) & (cols < q.shape[1])).all()))):
+            raise CheckpointError(f"{source}: {prefix}weight_outlier_columns and {prefix}weight_outliers must come "
+                                  f"together, as [C] column indices below {q.shape[1]} and [{q.shape[0]}, C] weights")
+        return cls(scheme, q, scale, None if zp is None else zp.to(torch.int8),
+                   None if cols is None else cols.to(torch.int64).contiguous(),
+                   None if outliers is None else outliers.float().contiguous())
 
 
 def _quantize_groups(wg: torch.Tensor, scheme: WeightScheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -13,6 +13,7 @@ def report_dict(r: QuantizeResult) -> dict[str, Any]:
         "scheme": r.request.scheme,
         "weight_format": r.request.weight.name,
         "rounding": r.rounding,
+        "outlier_columns": r.outlier_columns,
         "fidelity": r.fidelity.as_dict(),
         "quantized_units": len(r.chosen),
         "candidate_units": len(r.units),
@@ -42,6 +43,8 @@ def report_markdown(r: QuantizeResult) -> str:
         f"| calibration tokens | {f.tokens} |",
         f"| rounding | {r.rounding}" + (" (its Hessians come from these same tokens: the KL above is in-sample)"
                                         if r.rounding == "gptq" else "") + " |",
+        *([f"| outlier columns kept in full precision | {r.outlier_columns:.1%} of each layer's inputs |"]
+          if r.outlier_columns else []),
         f"| layers quantized | {len(r.chosen)} of {len(r.units)} candidates |",
         f"| parameters quantized | {r.quantized_params:,} of {sum(u.params for u in r.units):,} |",
     ]

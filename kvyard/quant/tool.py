@@ -65,6 +65,7 @@ class QuantizeOptions:
     progress: bool = True
     rounding: str = DEFAULT_ROUNDING  # rtn, or gptq with Hessians from the calibration set
     scaling: str = DEFAULT_SCALING  # awq, none, or auto: whichever measures better (kvyard.quant.awq)
+    outlier_columns: float = 0.0  # share of each layer's input columns kept in full precision (LLM.int8-style)
 
 
 @dataclass
@@ -83,6 +84,7 @@ class QuantizeResult:
     rounding: str = "rtn"
     scaling: dict[str, UnitScaling] = field(default_factory=dict)  # per unit, when scaled
     scaling_trial: dict[str, float] = field(default_factory=dict)  # --scaling auto: KL with and without
+    outlier_columns: float = 0.0
 
     @property
     def quantized_params(self) -> int:
@@ -99,6 +101,11 @@ def check_options(opts: QuantizeOptions) -> QuantRequest:
         raise ConfigError("--scheme mixed needs --kl-budget (the largest mean KL the plan may reach)", param="kl_budget")
     if opts.kl_budget is not None and not opts.kl_budget > 0:
         raise ConfigError(f"--kl-budget must be a positive number, got {opts.kl_budget}", param="kl_budget")
+    if not 0 <= opts.outlier_columns < 0.5:
+        raise ConfigError(f"--outlier-columns is a share of each layer's input columns, from 0 to below 0.5; got "
+                          f"{opts.outlier_columns}", param="outlier_columns")
+    if opts.outlier_columns and opts.rounding == "gptq":
+        raise ConfigError("--outlier-columns works with round to nearest only (--rounding rtn)", param="outlier_columns")
     return req
 
 
@@ -151,8 +158,8 @@ def scaled_reference(ref: Reference, units: list[Unit], scheme: WeightScheme, op
 
 
 def _uniform_kl(ref: Reference, units: list[Unit], scheme: WeightScheme, meter: FidelityMeter) -> float:
-    """Mean KL with every unit rounded to nearest: what `--scaling auto` compares."""
-    members = quantize_members(ref, units, scheme, "rtn")
+    """Mean KL with every unit rounded to nearest (with its outlier columns): what `--scaling auto` compares."""
+    members = quantize_members(ref, units, scheme, "rtn", outliers=outlier_columns(ref, units, ref.opts.outlier_columns))
     switch = UnitSwitch(ref.model, {u.name: QuantizedTensor.cat([members[m] for m in u.members]) for u in units}, units)
     try:
         return PlanSearch(switch, meter, float("inf"), progress=False).measure({u.name for u in units}).kl_mean
@@ -184,12 +191,32 @@ def choose_scaling(ref: Reference, units: list[Unit], scheme: WeightScheme,
     return scaled, chosen, trial
 
 
+def outlier_columns(ref: Reference, units: list[Unit], fraction: float) -> dict[str, torch.Tensor]:
+    """Per unit, the `fraction` of its input columns whose activations are largest (RMS over the calibration set,
+    in `ref`'s model): kept in full precision, as LLM.int8() keeps outlier features. Rounding error on a column
+    moves the output in proportion to its input, and these few columns carry most of it; left out of the
+    rounding, they also stop setting the scale of every other column in their rows."""
+    if fraction <= 0:
+        return {}
+    with torch.inference_mode():
+        hessians = collect_hessians(ref.model, units, ref.calib.sequences)
+    keep = {}
+    for u in units:
+        energy = hessians.pop(u.name).diagonal()
+        keep[u.name] = energy.topk(max(1, round(fraction * energy.numel()))).indices.sort().values
+    return keep
+
+
 def quantize_members(ref: Reference, units: list[Unit], scheme: WeightScheme, rounding: str,
-                     sequences: list[list[int]] | None = None) -> dict[str, QuantizedTensor]:
+                     sequences: list[list[int]] | None = None,
+                     outliers: dict[str, torch.Tensor] | None = None) -> dict[str, QuantizedTensor]:
     """Every HF linear of `units`, quantized once. GPTQ runs layer by layer over `sequences` (default: the
-    calibration set), and each fused member gets its unit's Hessian."""
+    calibration set), and each fused member gets its unit's Hessian. `outliers`: per unit, input columns kept
+    in full precision (round to nearest only)."""
     if rounding == "rtn":
-        return {m: QuantizedTensor.quantize(_source_weight(ref.tensors, m), scheme) for u in units for m in u.members}
+        keep = outliers or {}
+        return {m: QuantizedTensor.quantize(_source_weight(ref.tensors, m), scheme, keep.get(u.name))
+                for u in units for m in u.members}
 
     def quantize_unit(u: Unit, hessian: torch.Tensor) -> dict[str, QuantizedTensor]:
         # GPTQ treats rows independently, so fused members are quantized as one matrix (one factorization).
@@ -227,12 +254,13 @@ def quantize_model(opts: QuantizeOptions) -> QuantizeResult:
     ref, scaling, trial = choose_scaling(source, units, req.weight, opts)
     ckpt, tensors, calib, model, meter = ref.ckpt, ref.tensors, ref.calib, ref.model, ref.meter
     # Each HF linear is quantized once: the search runs the fused units, the checkpoint stores the members.
-    members = quantize_members(ref, units, req.weight, opts.rounding)
+    members = quantize_members(ref, units, req.weight, opts.rounding,
+                               outliers=outlier_columns(ref, units, opts.outlier_columns))
     quantized = {u.name: QuantizedTensor.cat([members[m] for m in u.members]) for u in units}
     search = PlanSearch(UnitSwitch(model, quantized, units), meter, opts.kl_budget or float("inf"), opts.progress)
     result = QuantizeResult(req, {}, units, [], fidelity=None,  # type: ignore[arg-type]
                             dtype=opts.dtype, rounding=opts.rounding, scaling=scaling,
-                            scaling_trial=trial)
+                            scaling_trial=trial, outlier_columns=opts.outlier_columns)
     if opts.sensitivity or req.mixed:
         result.sensitivity = search.sensitivities()
     if req.mixed:
@@ -283,6 +311,7 @@ def plan_record(result: QuantizeResult) -> dict[str, Any]:
         "rounding": result.rounding,
         "scaling": "awq" if result.scaling else "none",
         "scaling_trial_kl": result.scaling_trial or None,
+        "outlier_columns": result.outlier_columns,
         "units": [
             {"unit": u.name, "params": u.params, "quantized": u.name in chosen,
              "awq_alpha": result.scaling[u.name].alpha if u.name in result.scaling else None,

@@ -10,7 +10,6 @@ from kvyard.quant.qlinear import (
     PlainLowBitLinear,
     VnniLowBitLinear,
     make_linear,
-    vnni_lowbit_kernel,
 )
 from kvyard.quant.qtensor import QuantizedTensor
 from kvyard.quant.scheme import parse_weight_scheme
@@ -103,7 +102,7 @@ def test_sizes_and_fallbacks():
 @needs_vnni
 def test_bad_inputs_raise():
     lin = VnniLowBitLinear(QuantizedTensor.quantize(torch.randn(32, 64), parse_weight_scheme("int4-g32")))
-    op = vnni_lowbit_kernel()
+    op = torch.ops.kvyard.amx_linear_lowbit if AMX else torch.ops.kvyard.vnni_lowbit_linear
     x = torch.randn(2, 64).bfloat16()
     with pytest.raises(RuntimeError, match="columns"):
         op(torch.randn(2, 32).bfloat16(), lin.q, lin.scale, lin.zero, 4, 32)
@@ -115,3 +114,23 @@ def test_bad_inputs_raise():
         op(x, lin.q, lin.scale, lin.zero, 4, 64)  # one group of 64 where the scales have two
     with pytest.raises(RuntimeError, match="scale"):
         op(x, lin.q, lin.scale[:, :16].contiguous(), lin.zero, 4, 32)
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize("rows", [1, 3, 7, 70])
+def test_outlier_columns_are_added_in_full_precision(name, rows):
+    """Columns kept beside the codes (LLM.int8-style) come out as exact fp32 products, the rest as before."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 576, generator=g)
+    qt = QuantizedTensor.quantize(w, parse_weight_scheme(name), torch.tensor([0, 17, 300, 575]))
+    lin = make_linear(qt, torch.bfloat16, CPU)
+    assert isinstance(lin, VnniLowBitLinear) and lin.nbytes > VnniLowBitLinear(
+        QuantizedTensor(qt.scheme, qt.q, qt.scale, qt.zero_point)).nbytes
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    served = qt.dequantize()  # the kept columns as a bf16 model holds them
+    served[:, qt.outlier_cols] = qt.outliers.bfloat16().float()
+    exact = x.double() @ served.double().T
+    bound = 2 * _bf16_ulp(exact) + 1e-4 * exact.abs().max()
+    assert ((lin(x).double() - exact).abs() <= bound).all()
+    assert torch.allclose(lin.dequantize(torch.float32), served, atol=1e-6)

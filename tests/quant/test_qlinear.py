@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from kvyard.kernels import cpu as cpu_kernels
-from kvyard.quant.qlinear import KERNEL_MAX_ROWS, Int4Linear, Int8Linear, PlainLowBitLinear, make_linear
+from kvyard.quant.qlinear import (
+    KERNEL_MAX_ROWS,
+    Int4Linear,
+    Int8Linear,
+    OutlierColumns,
+    PlainLowBitLinear,
+    make_linear,
+)
 from kvyard.quant.qtensor import QuantizedTensor
 from kvyard.quant.scheme import parse_weight_scheme
 
@@ -81,3 +88,20 @@ def test_one_bf16_row_is_within_the_int16_rounding_of_x(name):
     err = (lin(x)[0].double() - ref).abs()
     assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g}"
     assert bound.max() < 0.02 * ref.abs().max()  # the bound is tight: int8 rounding of x would break it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["plain", "torch"])
+def test_outlier_columns_on_kernels_that_lack_them(dtype, form):
+    """Forms whose kernel knows no outlier columns get them added beside it (OutlierColumns)."""
+    torch.manual_seed(1)
+    qt = QuantizedTensor.quantize(torch.randn(40, 96), parse_weight_scheme("int4-g32-asym"), torch.tensor([5, 60]))
+    inner = PlainLowBitLinear(qt) if form == "plain" else Int4Linear(qt, dtype, torch.device("cpu"))
+    lin = OutlierColumns(inner, qt.outlier_cols, qt.outliers)
+    for rows in (1, 80):
+        x = torch.randn(rows, 96).to(dtype)
+        ref = x.double() @ qt.dequantize().double().T
+        assert ((lin(x).double() - ref).abs().max() / ref.abs().max()) < (1e-5 if dtype == torch.float32 else 1e-2)
+    # (PyTorch's int4 kernel keeps its scales in the compute dtype, so bf16 ones are rounded)
+    assert torch.allclose(lin.dequantize(torch.float32), qt.dequantize(), atol=1e-5 if dtype == torch.float32 else 2e-2)
+    assert lin.nbytes == inner.nbytes + qt.outlier_cols.nbytes + qt.outliers.nbytes

@@ -74,3 +74,43 @@ def test_rows_undo_cat():
     for part, got in ((a, fused.rows(0, 8)), (b, fused.rows(8, 13))):
         assert torch.equal(got.q, part.q) and torch.equal(got.scale, part.scale)
         assert torch.equal(got.zero_point, part.zero_point)
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_outlier_columns_stay_exact_and_leave_the_scales(name):
+    """Kept columns come back exactly, their codes dequantize to 0, and they no longer set their rows' scales."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 128)
+    w[:, 7] *= 50.0  # an outlier column, as large activations meet in LLM layers
+    cols = torch.tensor([90, 7])
+    qt = QuantizedTensor.quantize(w, parse_weight_scheme(name), cols)
+    assert qt.outlier_cols.tolist() == [7, 90]  # kept in ascending order
+    d = qt.dequantize()
+    assert torch.equal(d[:, [7, 90]], w[:, [7, 90]])
+    plain = QuantizedTensor.quantize(w, parse_weight_scheme(name))
+    rest = [c for c in range(128) if c not in (7, 90)]
+    assert (d - w)[:, rest].abs().max() < (plain.dequantize() - w)[:, rest].abs().max() / 5
+    no_outliers = QuantizedTensor(qt.scheme, qt.q, qt.scale, qt.zero_point)
+    assert no_outliers.dequantize()[:, [7, 90]].abs().max() == 0
+
+
+def test_outlier_columns_survive_state_dict_rows_and_cat():
+    w = torch.randn(12, 64)
+    qt = QuantizedTensor.quantize(w, parse_weight_scheme("int8"), torch.tensor([3, 40]))
+    back = QuantizedTensor.from_state_dict(qt.to_state_dict("p."), "p.", qt.scheme, "ckpt")
+    assert torch.equal(back.dequantize(), qt.dequantize())
+    assert torch.equal(QuantizedTensor.cat([qt.rows(0, 5), qt.rows(5, 12)]).dequantize(), qt.dequantize())
+    other = QuantizedTensor.quantize(w, parse_weight_scheme("int8"), torch.tensor([4]))
+    with pytest.raises(CheckpointError, match="same outlier columns"):
+        QuantizedTensor.cat([qt, other])
+
+
+def test_broken_outlier_tensors_name_the_layer():
+    qt = QuantizedTensor.quantize(torch.randn(8, 64), parse_weight_scheme("int8"), torch.tensor([1, 2]))
+    parts = qt.to_state_dict("model.layers.0.mlp.down_proj.")
+    lonely = {k: v for k, v in parts.items() if not k.endswith("weight_outliers")}
+    with pytest.raises(CheckpointError, match="down_proj.weight_outlier_columns"):
+        QuantizedTensor.from_state_dict(lonely, "model.layers.0.mlp.down_proj.", qt.scheme, "ckpt")
+    parts["model.layers.0.mlp.down_proj.weight_outlier_columns"] = torch.tensor([1, 64])  # past the last column
+    with pytest.raises(CheckpointError, match="below 64"):
+        QuantizedTensor.from_state_dict(parts, "model.layers.0.mlp.down_proj.", qt.scheme, "ckpt")

@@ -84,6 +84,9 @@ def test_unprotected_head_is_quantized(tiny_checkpoint, tmp_path):
         (dict(scheme="mixed", kl_budget=-1.0), "positive"),
         (dict(scheme="int5"), "unknown quantization scheme"),
         (dict(scheme="int4-g100"), "group size"),
+        (dict(scheme="int8", outlier_columns=0.7), "share of each layer"),
+        (dict(scheme="int8", outlier_columns=-0.1), "share of each layer"),
+        (dict(scheme="int8", outlier_columns=0.05, rounding="gptq"), "round to nearest"),
     ],
 )
 def test_bad_scheme_or_budget_is_a_clear_error(tiny_checkpoint, tmp_path, kw, match):
@@ -124,3 +127,22 @@ def test_unknown_rounding_or_scaling_is_a_config_error(tiny_checkpoint):
         quantize_model(_opts(tiny_checkpoint("llama"), None, scheme="int8", rounding="awq"))
     with pytest.raises(ConfigError, match="scaling"):
         quantize_model(_opts(tiny_checkpoint("llama"), None, scheme="int8", scaling="smooth"))
+
+
+def test_outlier_columns_save_reload_and_serve(tiny_checkpoint, tmp_path):
+    """--outlier-columns: each unit keeps its most active input columns exactly; the saved directory measures
+    as the in-memory model did, and loads and generates."""
+    src, out = tiny_checkpoint("qwen2"), tmp_path / "o"
+    r = quantize_model(_opts(src, out, scheme="int4-g32", sensitivity=False, tool_eval=False, scaling="none",
+                             outlier_columns=0.05))
+    assert r.outlier_columns == 0.05 and json.loads((out / "quant_plan.json").read_text())["outlier_columns"] == 0.05
+    source = load_reference(QuantizeOptions(model=str(src), scheme="int8", dtype="float32", max_seq_len=64))
+    assert saved_fidelity(source, out).kl_mean == pytest.approx(r.fidelity.kl_mean, rel=1e-6)
+    from safetensors.torch import load_file
+    saved = load_file(str(out / "model.safetensors"))
+    cols = saved["model.layers.0.mlp.down_proj.weight_outlier_columns"]
+    assert cols.numel() == round(0.05 * 128)  # intermediate_size 128
+    assert torch.equal(saved["model.layers.0.mlp.down_proj.weight_outliers"],
+                       source.tensors["model.layers.0.mlp.down_proj.weight"][:, cols].float())
+    llm = LLM(config=EngineConfig(model=str(out), kv_cache_memory="16MiB"))
+    assert len(llm.generate(["hello"], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids) == 4

@@ -28,7 +28,7 @@ enum Kind : int64_t { kDpbf16 = 0, kAmx = 1, kLowBit = 2, kAmxLowBit = 3, kLinea
 struct Linear {
   Kind kind;
   at::Tensor w;  // VNNI blocks, low-bit codes, or the dense matrix
-  OptTensor scale, zero, bias;
+  OptTensor scale, zero, bias, outlier_cols, outliers;  // outliers: low-bit on the AVX-512 kernel only
   int64_t bits = 0, group = 0, out_features = 0, k_pad = 0;
 
   // linear(x, weight, bias) of kvyard/models/linear.py for a few rows: the weight's own kernel, and the bias
@@ -45,7 +45,7 @@ struct Linear {
         break;
       }
       case kAmxLowBit: y = ops::amx_linear_lowbit(x, w, *scale, zero, bits, group); break;
-      case kVnniLowBit: y = ops::vnni_lowbit_linear(x, w, *scale, zero, bits, group); break;
+      case kVnniLowBit: y = ops::vnni_lowbit_linear(x, w, *scale, zero, bits, group, outlier_cols, outliers); break;
       case kLinearBf16: y = ops::linear_bf16(x.contiguous(), w); break;
       default: TORCH_CHECK(false, "unknown linear kind ", static_cast<int64_t>(kind));
     }
@@ -64,17 +64,19 @@ class DecodeStack : public torch::CustomClassHolder {
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {}
 
-  // One layer, its four weights as kinds[i] with tensors[4i .. 4i + 3] = (weight, scale, zero, bias) and
-  // ints[4i .. 4i + 3] = (bits, group, out_features, k_pad), in the order qkv, o, gate_up, down.
+  // One layer, its four weights as kinds[i] with tensors[6i .. 6i + 5] = (weight, scale, zero, bias,
+  // outlier_cols, outliers) and ints[4i .. 4i + 3] = (bits, group, out_features, k_pad), in the order qkv, o,
+  // gate_up, down.
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, OptTensor qk_norm, OptTensor qk_scale,
                  std::vector<int64_t> kinds, c10::List<OptTensor> tensors, std::vector<int64_t> ints) {
-    TORCH_CHECK(kinds.size() == 4 && tensors.size() == 16 && ints.size() == 16, "a layer has four weights");
+    TORCH_CHECK(kinds.size() == 4 && tensors.size() == 24 && ints.size() == 16, "a layer has four weights");
     Linear lin[4];
     for (size_t i = 0; i < 4; ++i) {
-      const OptTensor w = tensors.get(4 * i);
+      const OptTensor w = tensors.get(6 * i);
       TORCH_CHECK(w.has_value() && kinds[i] >= kDpbf16 && kinds[i] <= kVnniLowBit, "weight ", i, " has no kernel");
-      lin[i] = Linear{static_cast<Kind>(kinds[i]), *w, tensors.get(4 * i + 1), tensors.get(4 * i + 2),
-                      tensors.get(4 * i + 3), ints[4 * i], ints[4 * i + 1], ints[4 * i + 2], ints[4 * i + 3]};
+      lin[i] = Linear{static_cast<Kind>(kinds[i]), *w, tensors.get(6 * i + 1), tensors.get(6 * i + 2),
+                      tensors.get(6 * i + 3), tensors.get(6 * i + 4), tensors.get(6 * i + 5),
+                      ints[4 * i], ints[4 * i + 1], ints[4 * i + 2], ints[4 * i + 3]};
     }
     layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(qk_norm), std::move(qk_scale),
                             lin[0], lin[1], lin[2], lin[3]});

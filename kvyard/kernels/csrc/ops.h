@@ -13,7 +13,8 @@ at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed, const st
 at::Tensor amx_linear_lowbit(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                              const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size);
 at::Tensor vnni_lowbit_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                              const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size);
+                              const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size,
+                              const std::optional<at::Tensor>& outlier_cols, const std::optional<at::Tensor>& outliers);
 at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                          const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size, int64_t out_features);
 at::Tensor lowbit_dequantize(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& zero,

@@ -15,7 +15,8 @@
 // products of 127 * 32767 < 2^31) and round by at most 2^-24 in fp32.
 // Several rows: codes widened to bf16 (exact for these integers; int4 as 128 + u, OR-ed into 128.0's bits) and
 // VDPBF16PS against x's bf16 pairs, exactly as the dense kernels sum (fp32, products exact).
-// Scales and zero terms apply per group to each column's fp32 sum: y = sum_g scale_g * (x . q_g) + zero_g * sum_g(x).
+// Scales and zero terms apply per group to each column's fp32 sum: y = sum_g scale_g * (x . q_g) + zero_g * sum_g(x),
+// and outlier columns kept in the model's bf16 (their codes zero) add x[:, cols] . outliers in fp32.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -33,6 +34,22 @@ using namespace kvyard;
 using vnni::kBlockCols;
 using vnni::num_groups;
 using Weight = vnni::LowBitBlocks;
+
+// Input columns kept in full precision beside the codes (zero there): y += x[:, cols] . outliers.
+struct Outliers {
+  const int64_t* cols = nullptr;
+  // bf16 [N/32, C, 32]: block by block (read with the block's codes, one stream), kept column j's 32 weights
+  const uint16_t* weights = nullptr;
+  int64_t count = 0;
+
+  // x's values at the kept columns, fp32, [rows, C].
+  std::vector<float> gather(const float* xf, int64_t m, int64_t k) const {
+    std::vector<float> xo(m * count);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < count; ++j) xo[r * count + j] = xf[r * k + cols[j]];
+    return xo;
+  }
+};
 
 int64_t row_bytes(const Weight& w) { return kBlockCols * 2 * w.bits / 8; }  // one VNNI row: a pair of k, 32 columns
 const uint8_t* block(const Weight& w, int64_t nb) { return w.q + nb * (w.k / 2) * row_bytes(w); }
@@ -62,6 +79,17 @@ std::vector<float> group_sums(const float* x, int64_t m, int64_t k, int64_t grou
 inline __m512 offset_coef(const Weight& w, int64_t g, int64_t col, float offset) {
   __m512 coef = _mm512_mul_ps(_mm512_loadu_ps(w.scale + g * w.n + col), _mm512_set1_ps(-offset));
   return w.zero != nullptr ? _mm512_add_ps(coef, _mm512_loadu_ps(w.zero + g * w.n + col)) : coef;
+}
+
+// acc (16 outputs from column `col`) + sum_j xo[j] * (kept column j's weights for those outputs), in fp32
+inline __m512 add_outliers(const Outliers& o, __m512 acc, const float* xo, int64_t col) {
+  const uint16_t* w = o.weights + (col / kBlockCols) * o.count * kBlockCols + col % kBlockCols;
+  for (int64_t j = 0; j < o.count; ++j) {
+    const __m256i bf = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * kBlockCols));
+    const __m512 wj = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf), 16));
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(xo[j]), wj, acc);
+  }
+  return acc;
 }
 
 inline void store16(__m512 v, at::BFloat16* out) {
@@ -109,7 +137,8 @@ inline void widen_int16(const uint8_t* row, __m512i& lo, __m512i& hi) {
 }
 
 template <int kBits>
-void gemv_block(const Weight& w, const Int16X& x, const float* sums, int64_t nb, at::BFloat16* out) {
+void gemv_block(const Weight& w, const Int16X& x, const float* sums, const Outliers& o, const float* xo, int64_t nb,
+                at::BFloat16* out) {
   const uint8_t* b = block(w, nb);
   const int64_t col = nb * kBlockCols, groups = num_groups(w.k, w.group), rb = row_bytes(w);
   __m512 y[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -139,7 +168,7 @@ void gemv_block(const Weight& w, const Int16X& x, const float* sums, int64_t nb,
       y[h] = _mm512_fmadd_ps(acc[h], _mm512_loadu_ps(w.scale + g * w.n + col + 16 * h), y[h]);
     }
   }
-  for (int h = 0; h < 2; ++h) store16(y[h], out + col + 16 * h);
+  for (int h = 0; h < 2; ++h) store16(add_outliers(o, y[h], xo, col + 16 * h), out + col + 16 * h);
 }
 
 // ---- several rows: bf16 x --------------------------------------------------------------------------------------
@@ -162,7 +191,8 @@ inline void widen_bf16(const uint8_t* row, __m512bh& lo, __m512bh& hi) {
 }
 
 template <int kBits, int kRows>
-void tile(const Weight& w, const uint16_t* x, const float* sums, int64_t nb, int64_t m0, at::BFloat16* out) {
+void tile(const Weight& w, const uint16_t* x, const float* sums, const Outliers& o, const float* xo, int64_t nb,
+          int64_t m0, at::BFloat16* out) {
   const uint8_t* b = block(w, nb);
   const int64_t col = nb * kBlockCols, groups = num_groups(w.k, w.group), rb = row_bytes(w), pairs = w.k / 2;
   const auto* xp = reinterpret_cast<const uint32_t*>(x + m0 * w.k);
@@ -191,11 +221,13 @@ void tile(const Weight& w, const uint16_t* x, const float* sums, int64_t nb, int
     }
   }
   for (int r = 0; r < kRows; ++r)
-    for (int h = 0; h < 2; ++h) store16(y[r][h], out + (m0 + r) * w.n + col + 16 * h);
+    for (int h = 0; h < 2; ++h)
+      store16(add_outliers(o, y[r][h], xo + (m0 + r) * o.count, col + 16 * h), out + (m0 + r) * w.n + col + 16 * h);
 }
 
 template <int kBits>
-using TileFn = void (*)(const Weight&, const uint16_t*, const float*, int64_t, int64_t, at::BFloat16*);
+using TileFn = void (*)(const Weight&, const uint16_t*, const float*, const Outliers&, const float*, int64_t, int64_t,
+                        at::BFloat16*);
 
 template <int kBits, int... kRows>
 constexpr std::array<TileFn<kBits>, sizeof...(kRows)> tiles(std::integer_sequence<int, kRows...>) {
@@ -203,23 +235,25 @@ constexpr std::array<TileFn<kBits>, sizeof...(kRows)> tiles(std::integer_sequenc
 }
 
 template <int kBits>
-void matmul(const uint16_t* x, const Weight& w, at::BFloat16* out, int64_t m) {
+void matmul(const uint16_t* x, const Weight& w, const Outliers& o, at::BFloat16* out, int64_t m) {
   std::vector<float> xf(m * w.k);
   load_row(reinterpret_cast<const at::BFloat16*>(x), 1.0f, xf.data(), m * w.k);
   const bool need_sums = kBits == 4 || w.zero != nullptr;
   const std::vector<float> sums = need_sums ? group_sums(xf.data(), m, w.k, w.group) : std::vector<float>();
   const float* s = need_sums ? sums.data() : nullptr;
+  const std::vector<float> xo = o.gather(xf.data(), m, w.k);
   if (m == 1) {
     const Int16X xq = round_x(xf.data(), w.k, w.group);
     at::parallel_for(0, w.n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t nb = begin; nb < end; ++nb) gemv_block<kBits>(w, xq, s, nb, out);
+      for (int64_t nb = begin; nb < end; ++nb) gemv_block<kBits>(w, xq, s, o, xo.data(), nb, out);
     });
     return;
   }
   static constexpr auto kTiles = tiles<kBits>(std::make_integer_sequence<int, kTileRows>{});  // [r - 1]: r rows
   at::parallel_for(0, w.n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb)
-      for (int64_t m0 = 0; m0 < m; m0 += kTileRows) kTiles[std::min<int64_t>(kTileRows, m - m0) - 1](w, x, s, nb, m0, out);
+      for (int64_t m0 = 0; m0 < m; m0 += kTileRows)
+        kTiles[std::min<int64_t>(kTileRows, m - m0) - 1](w, x, s, o, xo.data(), nb, m0, out);
   });
 }
 
@@ -227,7 +261,7 @@ void matmul(const uint16_t* x, const Weight& w, at::BFloat16* out, int64_t m) {
 
 constexpr bool kCompiled = false;
 template <int kBits>
-void matmul(const uint16_t*, const Weight&, at::BFloat16*, int64_t) {
+void matmul(const uint16_t*, const Weight&, const Outliers&, at::BFloat16*, int64_t) {
   TORCH_CHECK(false, "kvyard was compiled for a CPU without AVX-512 VNNI and BF16");
 }
 
@@ -240,11 +274,25 @@ bool vnni_lowbit_available() { return kCompiled; }
 namespace kvyard::ops {
 
 at::Tensor vnni_lowbit_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                              const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size) {
+                              const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size,
+                              const std::optional<at::Tensor>& outlier_cols, const std::optional<at::Tensor>& outliers) {
+  Outliers o;
+  TORCH_CHECK(outlier_cols.has_value() == outliers.has_value(), "outlier_cols and outliers come together");
+  if (outlier_cols) {
+    const int64_t n = q.size(0) * kBlockCols, k = q.size(1) * 2, c = outlier_cols->numel();
+    TORCH_CHECK(outlier_cols->scalar_type() == at::kLong && outlier_cols->dim() == 1 && outlier_cols->is_contiguous(),
+                "outlier_cols must be a contiguous int64 [C] vector");
+    TORCH_CHECK(outliers->scalar_type() == at::kBFloat16 && outliers->is_contiguous() &&
+                    outliers->sizes() == at::IntArrayRef({n / kBlockCols, c, kBlockCols}),
+                "outliers must be contiguous bf16 [out/32, C, 32]");
+    const int64_t* cols = outlier_cols->data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(cols, cols + c, [k](int64_t j) { return j >= 0 && j < k; }), "outlier column out of range");
+    o = Outliers{cols, reinterpret_cast<const uint16_t*>(outliers->data_ptr()), c};
+  }
   return vnni::lowbit_blocks_linear(x, q, scale, zero, bits, group_size,
-                                    [](const uint16_t* xp, const Weight& w, uint16_t* op, int64_t m) {
+                                    [&o](const uint16_t* xp, const Weight& w, uint16_t* op, int64_t m) {
     auto* out = reinterpret_cast<at::BFloat16*>(op);
-    w.bits == 8 ? matmul<8>(xp, w, out, m) : matmul<4>(xp, w, out, m);
+    w.bits == 8 ? matmul<8>(xp, w, o, out, m) : matmul<4>(xp, w, o, out, m);
   });
 }
 
@@ -252,7 +300,8 @@ at::Tensor vnni_lowbit_linear(const at::Tensor& x, const at::Tensor& q, const at
 
 TORCH_LIBRARY_FRAGMENT(kvyard, m) {
   m.def("vnni_lowbit_available() -> bool", &vnni_lowbit_available);
-  m.def("vnni_lowbit_linear(Tensor x, Tensor q, Tensor scale, Tensor? zero, int bits, int group_size) -> Tensor");
+  m.def("vnni_lowbit_linear(Tensor x, Tensor q, Tensor scale, Tensor? zero, int bits, int group_size, "
+        "Tensor? outlier_cols=None, Tensor? outliers=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("vnni_lowbit_linear", &kvyard::ops::vnni_lowbit_linear); }

@@ -1,0 +1,44 @@
+"""Decode tokens/s of each model with a step's layers in one C++ call (DecodeStack) and layer by layer from Python
+(KVYARD_DECODE_STACK=0), the same engine switching between them round by round.
+
+usage: python tools/decode_stack_rates.py BATCHES ROUNDS NAME=MODEL [NAME=MODEL ...]
+       python tools/decode_stack_rates.py 1,32 5 bf16=smollm2-135m int8=bench-results/quant-s14-smollm2/int8
+"""
+import os
+import statistics
+import sys
+
+import torch
+
+from kvyard.bench.quant import decode_rate
+from kvyard.config import EngineConfig
+from kvyard.llm import LLM
+
+
+def main() -> None:
+    batches = [int(b) for b in sys.argv[1].split(",")]
+    rounds = int(sys.argv[2])
+    torch.set_num_threads(2)
+    engines = {name: LLM(config=EngineConfig(model=path, dtype="bfloat16", kv_cache_memory="1GiB"))
+               for name, path in (arg.split("=", 1) for arg in sys.argv[3:])}
+    runs = []
+    for r in range(rounds):
+        run = {}
+        for name, llm in engines.items():
+            for b in batches:
+                for mode in ("stack", "layers"):
+                    os.environ["KVYARD_DECODE_STACK"] = "1" if mode == "stack" else "0"  # read at every step
+                    run[f"{name}.b{b}.{mode}"] = decode_rate(llm, b, 128, 32)
+        runs.append(run)
+        print(f"round {r + 1}: " + ", ".join(f"{k}={v:.1f}" for k, v in run.items()), flush=True)
+    for name in engines:
+        for b in batches:
+            stack, layers = f"{name}.b{b}.stack", f"{name}.b{b}.layers"
+            ratios = [run[stack] / run[layers] for run in runs]
+            print(f"{name} b{b}: {statistics.median(run[stack] for run in runs):.1f} tok/s with the stack against "
+                  f"{statistics.median(run[layers] for run in runs):.1f} layer by layer, {statistics.median(ratios):.2f}x "
+                  f"(rounds {[round(x, 2) for x in ratios]})")
+
+
+if __name__ == "__main__":
+    main()
