@@ -8,19 +8,13 @@ import os
 import statistics
 import sys
 
-import torch
+from quant_decode_rates import batches_rounds_engines  # this script's folder is on sys.path
 
 from kvyard.bench.quant import decode_rate
-from kvyard.config import EngineConfig
-from kvyard.llm import LLM
 
 
 def main() -> None:
-    batches = [int(b) for b in sys.argv[1].split(",")]
-    rounds = int(sys.argv[2])
-    torch.set_num_threads(2)
-    engines = {name: LLM(config=EngineConfig(model=path, dtype="bfloat16", kv_cache_memory="1GiB"))
-               for name, path in (arg.split("=", 1) for arg in sys.argv[3:])}
+    batches, rounds, engines = batches_rounds_engines(sys.argv[1:])
     runs = []
     for r in range(rounds):
         run = {}

@@ -15,12 +15,16 @@ from kvyard.config import EngineConfig
 from kvyard.llm import LLM
 
 
-def main() -> None:
-    batches = [int(b) for b in sys.argv[1].split(",")]
-    rounds = int(sys.argv[2])
+def batches_rounds_engines(argv: list[str]) -> tuple[list[int], int, dict[str, LLM]]:
+    """BATCHES ROUNDS NAME=MODEL ...: the batch sizes, the rounds, and one bf16 engine per model."""
     torch.set_num_threads(2)
     engines = {name: LLM(config=EngineConfig(model=path, dtype="bfloat16", kv_cache_memory="1GiB"))
-               for name, path in (arg.split("=", 1) for arg in sys.argv[3:])}
+               for name, path in (arg.split("=", 1) for arg in argv[2:])}
+    return [int(b) for b in argv[0].split(",")], int(argv[1]), engines
+
+
+def main() -> None:
+    batches, rounds, engines = batches_rounds_engines(sys.argv[1:])
     base = next(iter(engines))
     runs = []
     for r in range(rounds):

@@ -6,6 +6,7 @@ where per-op overhead adds up over 30 layers.
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,13 @@ class LayerWeights:
     # [heads + kv_heads, head_dim] powers of two on q and k before RoPE, q . k unchanged: set for int8 KV
     # caches (kvyard/quant/kv_smoothing.py), so that large key channels do not coarsen the rest
     qk_scale: torch.Tensor | None = None
+    # Every assignment to any layer's fields, counted: a model rebuilds its decode stack when this moves (the
+    # quantizer swaps units in place; int8 KV caches set qk_scale after load).
+    edits: ClassVar[int] = 0
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        LayerWeights.edits += 1
 
 
 class DecoderModel:
@@ -83,8 +91,8 @@ class DecoderModel:
         self.final_norm: torch.Tensor | None = None
         self.lm_head: Weight | None = None
         self._packed_head: tuple[Weight, Weight] | None = None  # (lm_head, its packed form)
-        # (the layers' weights it was built from, by identity; the stack or None where it cannot run them)
-        self._stack: tuple[tuple[int, ...], torch.ScriptObject | None] | None = None
+        # (LayerWeights.edits when it was built; the stack, or None where it cannot run these layers)
+        self._stack: tuple[int, torch.ScriptObject | None] | None = None
         self.q_size = cfg.num_heads * cfg.head_dim
 
     # ---- loading -------------------------------------------------------------------------------------
@@ -193,10 +201,8 @@ class DecoderModel:
         return x.add_(self._mlp(add_rms_norm_(x, h, layer.post_norm, eps), layer))
 
     def _decode_stack(self) -> torch.ScriptObject | None:
-        # Rebuilt whenever a layer's weight changes (the quantizer swaps units, int8 KV caches set qk_scale).
-        key = tuple(id(v) for layer in self.layers for v in vars(layer).values())
-        if self._stack is None or self._stack[0] != key:
-            self._stack = (key, build_decode_stack(self))
+        if self._stack is None or self._stack[0] != LayerWeights.edits:  # a layer changed since it was built
+            self._stack = (LayerWeights.edits, build_decode_stack(self))
         return self._stack[1]
 
     def _head(self) -> Weight:

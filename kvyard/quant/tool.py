@@ -291,8 +291,12 @@ def save_quantized(ckpt: Checkpoint, tensors: dict[str, torch.Tensor], members: 
         state.update(members[layer].to_state_dict(layer + "."))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     all_linear = [m for u in linear_units(ckpt.config) for m in u.members]
-    config = {**ckpt.hf_config, "torch_dtype": str(dense_dtype).removeprefix("torch."),
-              "quantization_config": plan_to_config(result.plan, all_linear)}
+    qcfg = plan_to_config(result.plan, all_linear)
+    if result.outlier_columns:
+        # kvyard's own extension (weight_outlier_columns / weight_outliers beside the codes): said here, so that a
+        # reader of the config sees a loader that knows only compressed-tensors would drop those columns
+        qcfg["kvyard_outlier_columns"] = result.outlier_columns
+    config = {**ckpt.hf_config, "torch_dtype": str(dense_dtype).removeprefix("torch."), "quantization_config": qcfg}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     ckpt.tokenizer.save_pretrained(str(out))
     (out / "quant_plan.json").write_text(json.dumps(plan_record(result), indent=2))

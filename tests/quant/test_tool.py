@@ -136,6 +136,7 @@ def test_outlier_columns_save_reload_and_serve(tiny_checkpoint, tmp_path):
     r = quantize_model(_opts(src, out, scheme="int4-g32", sensitivity=False, tool_eval=False, scaling="none",
                              outlier_columns=0.05))
     assert r.outlier_columns == 0.05 and json.loads((out / "quant_plan.json").read_text())["outlier_columns"] == 0.05
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["kvyard_outlier_columns"] == 0.05
     source = load_reference(QuantizeOptions(model=str(src), scheme="int8", dtype="float32", max_seq_len=64))
     assert saved_fidelity(source, out).kl_mean == pytest.approx(r.fidelity.kl_mean, rel=1e-6)
     from safetensors.torch import load_file

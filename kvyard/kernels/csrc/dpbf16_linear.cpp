@@ -2,10 +2,10 @@
 // torch.ops.kvyard.dpbf16_linear: the matmul of CPUs with AVX512-BF16 but no AMX (AMD Zen 4, Intel Cooper
 // Lake).
 //
-// There oneDNN's bf16 GEMM streamed SmolLM2's decode weights at ~13 GB/s at one row on a 2-core AMD EPYC
-// that reads ~27 GB/s, and torch.mv ~8 GB/s; this loop reads them at memory speed (37 GB/s in an alternating
-// microbenchmark, 2.9x oneDNN's packed GEMM) and still ties oneDNN's GEMM at 512 rows, so one copy of each
-// weight serves decode and prefill.
+// There oneDNN's bf16 GEMM streamed SmolLM2's decode weights at ~16 GB/s at one row on a 2-core AMD EPYC
+// (Zen 4), and torch.mv ~8 GB/s; this loop reads them at about memory speed (a step's 121 matmuls in 9.7
+// against oneDNN's 16.4 ms, python tools/gemm_stream.py) and still ties oneDNN's GEMM at 512 rows, so one copy
+// of each weight serves decode and prefill.
 //
 // Each 32-column block [K/2][32][2] is one sequential stream: for each pair of k, the 32 columns' pairs fill two
 // registers, and VDPBF16PS multiplies them with x's pair broadcast, adding both products to each column's fp32
