@@ -12,15 +12,12 @@ Columns are ranked by their activation RMS over the calibration set, per unit (q
 import sys
 
 import torch
-from quant_rounding_kl import HELD_OUT  # this script's folder is on sys.path
+from quant_noise_probe import measure, reference_and_held_out  # this script's folder is on sys.path
 
-from kvyard.models.decoder import DecoderModel
-from kvyard.quant.calib import build_calibration
-from kvyard.quant.fidelity import FidelityMeter
 from kvyard.quant.plan import DEFAULT_PROTECT, is_protected, linear_units
 from kvyard.quant.qtensor import QuantizedTensor
 from kvyard.quant.scheme import WeightScheme, parse_weight_scheme
-from kvyard.quant.tool import QuantizeOptions, load_reference, outlier_columns
+from kvyard.quant.tool import outlier_columns
 
 
 def kept_exact(w: torch.Tensor, cols: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
@@ -38,12 +35,10 @@ def scaled_up(w: torch.Tensor, cols: torch.Tensor, scheme: WeightScheme) -> torc
 
 
 def main() -> None:
-    torch.set_num_threads(2)
-    model, dtype, fractions = sys.argv[1], sys.argv[2], [float(f) for f in sys.argv[3].split(",")]
+    fractions = [float(f) for f in sys.argv[3].split(",")]
     scheme = parse_weight_scheme(sys.argv[4] if len(sys.argv) > 4 else "int8")
     spare = scaled_up if len(sys.argv) > 5 and sys.argv[5] == "scaled" else kept_exact
-    ref = load_reference(QuantizeOptions(model=model, scheme=scheme.name, dtype=dtype, progress=False))
-    held = FidelityMeter(ref.model, build_calibration(ref.ckpt.tokenizer, HELD_OUT, 256).sequences[: len(HELD_OUT)])
+    ref, held = reference_and_held_out(sys.argv[1], sys.argv[2])
     units = [u for u in linear_units(ref.ckpt.config) if not is_protected(u, DEFAULT_PROTECT)]
     for fraction in fractions:
         keep = outlier_columns(ref, units, fraction)
@@ -52,12 +47,7 @@ def main() -> None:
             cols = keep.get(u.name, torch.zeros(0, dtype=torch.long))
             for m in u.members:
                 tensors[m + ".weight"] = spare(tensors[m + ".weight"].float(), cols, scheme)
-        probe = DecoderModel(ref.ckpt.config, ref.model.dtype, torch.device("cpu"), max_positions=257)
-        probe.load(tensors.items(), "probe")
-        with torch.inference_mode():
-            a, b = ref.meter.measure(probe), held.measure(probe)
-        print(f"{scheme.name}, {fraction:.3f} of input columns spared: calibration KL {a.kl_mean:.2e} | "
-              f"held-out KL {b.kl_mean:.2e}", flush=True)
+        measure(ref, held, tensors, f"{scheme.name}, {fraction:.3f} of input columns spared:")
 
 
 if __name__ == "__main__":
