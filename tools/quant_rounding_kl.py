@@ -17,7 +17,13 @@ from kvyard.quant.plan import DEFAULT_PROTECT, is_protected, linear_units
 from kvyard.quant.qtensor import QuantizedTensor
 from kvyard.quant.scheme import parse_weight_scheme
 from kvyard.quant.search import UnitSwitch
-from kvyard.quant.tool import QuantizeOptions, load_reference, quantize_members, scaled_reference
+from kvyard.quant.tool import (
+    QuantizeOptions,
+    load_reference,
+    quantize_members,
+    scaled_reference,
+    unit_schemes,
+)
 
 HELD_OUT = [
     "The river rose slowly through the night, and by morning the lower fields were under water. Farmers "
@@ -75,7 +81,7 @@ def main() -> None:
             ref, _ = scaled_reference(source, units, parse_weight_scheme(scheme), opts)
         for rounding in os.environ.get("ROUNDINGS", "rtn,gptq").split(","):
             t = time.perf_counter()
-            members = quantize_members(ref, units, parse_weight_scheme(scheme), rounding, seqs)
+            members = quantize_members(ref, units, unit_schemes(units, parse_weight_scheme(scheme)), rounding, seqs)
             q_s = time.perf_counter() - t
             fused = {u.name: QuantizedTensor.cat([members[m] for m in u.members]) for u in units}
             switch = UnitSwitch(ref.model, fused, units)

@@ -22,6 +22,7 @@ from kvyard.config import EngineConfig, parse_dtype
 from kvyard.llm import LLM
 from kvyard.loader.registry import resolve_model
 from kvyard.quant.awq import DEFAULT_SCALING, SCALINGS
+from kvyard.quant.cli import add_head_scheme_arg
 from kvyard.quant.fidelity import Fidelity
 from kvyard.quant.plan import DEFAULT_PROTECT
 from kvyard.quant.scheme import DEFAULT_ROUNDING, ROUNDINGS
@@ -52,6 +53,7 @@ def add_quant_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="as for kvyard quantize: auto, awq (activation-aware column scales) or none")
     p.add_argument("--outlier-columns", type=float, default=0.0,
                    help="as for kvyard quantize: share of each layer's input columns kept in full precision")
+    add_head_scheme_arg(p)
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per measurement")
@@ -139,7 +141,7 @@ def run_quant_bench(args: argparse.Namespace) -> int:
                                            kl_budget=args.kl_budget, mixed_weight=args.mixed_weight,
                                            dtype=measure_dtype, sensitivity=scheme == "mixed", protect=protect,
                                            rounding=args.rounding, scaling=args.scaling,
-                                           outlier_columns=args.outlier_columns))
+                                           outlier_columns=args.outlier_columns, head_scheme=args.head_scheme))
         f32 = saved_fidelity(fp32_source, out_root / scheme)
         fidelity[scheme] = {**_fidelity_row(r), **_fp32_row(f32), "quantize_s": time.perf_counter() - t0}
         paths[scheme] = str(out_root / scheme)
@@ -166,7 +168,8 @@ def run_quant_bench(args: argparse.Namespace) -> int:
         table[name] = entry
     result = {
         "model": model_path.name, "dtype": args.dtype, "fidelity_dtype": measure_dtype, "rounding": args.rounding,
-        "scaling": args.scaling, "outlier_columns": args.outlier_columns, "baseline": base, "machine": machine_info(),
+        "scaling": args.scaling, "outlier_columns": args.outlier_columns,
+        "head_scheme": args.head_scheme, "baseline": base, "machine": machine_info(),
         "workload": {"input_len": args.input_len, "decode_steps": args.decode_steps, "batch_sizes": batches,
                      "repeats": args.repeats},
         "schemes": table, "rounds": rounds, "checkpoints": str(out_root),

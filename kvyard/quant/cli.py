@@ -17,7 +17,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         model=args.model, scheme=args.scheme, out=Path(args.out), calib=args.calib, kl_budget=args.kl_budget,
         protect=protect, mixed_weight=args.mixed_weight, dtype=args.dtype, max_seq_len=args.max_seq_len,
         sensitivity=not args.no_sensitivity, tool_eval=not args.no_tool_eval, rounding=args.rounding,
-        scaling=args.scaling, outlier_columns=args.outlier_columns,
+        scaling=args.scaling, outlier_columns=args.outlier_columns, head_scheme=args.head_scheme,
     )
     result = quantize_model(opts)
     paths = write_report(result, Path(args.out))
@@ -26,6 +26,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.kl_budget is not None and result.fidelity.kl_mean > args.kl_budget:
         print(f"note: mean KL {result.fidelity.kl_mean:.3g} is above --kl-budget {args.kl_budget:g}")
     return 0
+
+
+def add_head_scheme_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--head-scheme", default=None,
+                   help="quantize the LM head too, in this format (e.g. int8 beside int4-g128 layers); "
+                   "by default it follows --protect, which keeps it dense")
 
 
 def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,6 +57,7 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--outlier-columns", type=float, default=0.0,
                    help="share of each layer's input columns (those with the largest activations on the calibration "
                    "set) kept in full precision beside the low-bit codes, as LLM.int8() does; e.g. 0.02")
+    add_head_scheme_arg(p)
     p.add_argument("--no-sensitivity", action="store_true", help="skip the per-layer sensitivity pass (not for mixed)")
     p.add_argument("--no-tool-eval", action="store_true", help="skip the tool-call JSON generation check")
     p.set_defaults(func=cmd_quantize)

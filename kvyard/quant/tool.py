@@ -14,6 +14,7 @@ from kvyard.config import parse_dtype
 from kvyard.errors import ConfigError
 from kvyard.loader.checkpoint import Checkpoint, load_checkpoint
 from kvyard.loader.registry import resolve_model
+from kvyard.models.config import ModelConfig
 from kvyard.models.decoder import DecoderModel
 from kvyard.quant.awq import DEFAULT_SCALING, SCALINGS, UnitScaling, scale_units
 from kvyard.quant.calib import (
@@ -34,7 +35,6 @@ from kvyard.quant.plan import (
     Unit,
     is_protected,
     linear_units,
-    plan_for_units,
     plan_to_config,
 )
 from kvyard.quant.qtensor import QuantizedTensor
@@ -44,6 +44,7 @@ from kvyard.quant.scheme import (
     WeightScheme,
     check_rounding,
     parse_quant_request,
+    parse_weight_scheme,
 )
 from kvyard.quant.search import PlanSearch, SearchResult, UnitSwitch, naive_order, searched_plan
 from kvyard.quant.sequential import sequential_gptq
@@ -66,6 +67,7 @@ class QuantizeOptions:
     rounding: str = DEFAULT_ROUNDING  # rtn, or gptq with Hessians from the calibration set
     scaling: str = DEFAULT_SCALING  # awq, none, or auto: whichever measures better (kvyard.quant.awq)
     outlier_columns: float = 0.0  # share of each layer's input columns kept in full precision (LLM.int8-style)
+    head_scheme: str | None = None  # the LM head's own format (e.g. int8 beside int4 layers); None: as --protect says
 
 
 @dataclass
@@ -85,6 +87,7 @@ class QuantizeResult:
     scaling: dict[str, UnitScaling] = field(default_factory=dict)  # per unit, when scaled
     scaling_trial: dict[str, float] = field(default_factory=dict)  # --scaling auto: KL with and without
     outlier_columns: float = 0.0
+    head: WeightScheme | None = None  # the LM head's format when it differs from request.weight
 
     @property
     def quantized_params(self) -> int:
@@ -106,7 +109,22 @@ def check_options(opts: QuantizeOptions) -> QuantRequest:
                           f"{opts.outlier_columns}", param="outlier_columns")
     if opts.outlier_columns and opts.rounding == "gptq":
         raise ConfigError("--outlier-columns works with round to nearest only (--rounding rtn)", param="outlier_columns")
+    if opts.head_scheme is not None:
+        parse_weight_scheme(opts.head_scheme)
     return req
+
+
+def candidate_units(cfg: ModelConfig, opts: QuantizeOptions) -> list[Unit]:
+    """The units to quantize: all but the protected ones, and the LM head whenever it has a format of its own."""
+    return [u for u in linear_units(cfg)
+            if not is_protected(u, opts.protect) or (u.attr == "lm_head" and opts.head_scheme is not None)]
+
+
+def unit_schemes(units: list[Unit], weight: WeightScheme, head: str | None = None) -> dict[str, WeightScheme]:
+    """Unit name -> format: `weight` everywhere, except the LM head when it has its own (`head`). llama.cpp's
+    4-bit files keep the output tensor at 6 bits for the same reason: every token's logits go through it."""
+    head_scheme = parse_weight_scheme(head) if head is not None else weight
+    return {u.name: head_scheme if u.attr == "lm_head" else weight for u in units}
 
 
 def _source_weight(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -159,7 +177,8 @@ def scaled_reference(ref: Reference, units: list[Unit], scheme: WeightScheme, op
 
 def _uniform_kl(ref: Reference, units: list[Unit], scheme: WeightScheme, meter: FidelityMeter) -> float:
     """Mean KL with every unit rounded to nearest (with its outlier columns): what `--scaling auto` compares."""
-    members = quantize_members(ref, units, scheme, "rtn", outliers=outlier_columns(ref, units, ref.opts.outlier_columns))
+    schemes = unit_schemes(units, scheme, ref.opts.head_scheme)
+    members = quantize_members(ref, units, schemes, "rtn", outliers=outlier_columns(ref, units, ref.opts.outlier_columns))
     switch = UnitSwitch(ref.model, {u.name: QuantizedTensor.cat([members[m] for m in u.members]) for u in units}, units)
     try:
         return PlanSearch(switch, meter, float("inf"), progress=False).measure({u.name for u in units}).kl_mean
@@ -207,21 +226,21 @@ def outlier_columns(ref: Reference, units: list[Unit], fraction: float) -> dict[
     return keep
 
 
-def quantize_members(ref: Reference, units: list[Unit], scheme: WeightScheme, rounding: str,
+def quantize_members(ref: Reference, units: list[Unit], schemes: dict[str, WeightScheme], rounding: str,
                      sequences: list[list[int]] | None = None,
                      outliers: dict[str, torch.Tensor] | None = None) -> dict[str, QuantizedTensor]:
-    """Every HF linear of `units`, quantized once. GPTQ runs layer by layer over `sequences` (default: the
-    calibration set), and each fused member gets its unit's Hessian. `outliers`: per unit, input columns kept
-    in full precision (round to nearest only)."""
+    """Every HF linear of `units`, quantized once in its unit's format (`schemes`, by unit name). GPTQ runs
+    layer by layer over `sequences` (default: the calibration set), and each fused member gets its unit's
+    Hessian. `outliers`: per unit, input columns kept in full precision (round to nearest only)."""
     if rounding == "rtn":
         keep = outliers or {}
-        return {m: QuantizedTensor.quantize(_source_weight(ref.tensors, m), scheme, keep.get(u.name))
+        return {m: QuantizedTensor.quantize(_source_weight(ref.tensors, m), schemes[u.name], keep.get(u.name))
                 for u in units for m in u.members}
 
     def quantize_unit(u: Unit, hessian: torch.Tensor) -> dict[str, QuantizedTensor]:
         # GPTQ treats rows independently, so fused members are quantized as one matrix (one factorization).
         parts = [_source_weight(ref.tensors, m) for m in u.members]
-        fused = gptq_quantize(torch.cat(parts), hessian, scheme)
+        fused = gptq_quantize(torch.cat(parts), hessian, schemes[u.name])
         bounds = torch.tensor([0] + [p.shape[0] for p in parts]).cumsum(0).tolist()
         return {m: fused.rows(a, b) for m, a, b in zip(u.members, bounds, bounds[1:], strict=False)}
 
@@ -250,17 +269,19 @@ def kv_cache_fidelity(ref: Reference) -> Fidelity:
 def quantize_model(opts: QuantizeOptions) -> QuantizeResult:
     req = check_options(opts)
     source = load_reference(opts)
-    units = [u for u in linear_units(source.ckpt.config) if not is_protected(u, opts.protect)]
+    units = candidate_units(source.ckpt.config, opts)
+    schemes = unit_schemes(units, req.weight, opts.head_scheme)
     ref, scaling, trial = choose_scaling(source, units, req.weight, opts)
     ckpt, tensors, calib, model, meter = ref.ckpt, ref.tensors, ref.calib, ref.model, ref.meter
     # Each HF linear is quantized once: the search runs the fused units, the checkpoint stores the members.
-    members = quantize_members(ref, units, req.weight, opts.rounding,
+    members = quantize_members(ref, units, schemes, opts.rounding,
                                outliers=outlier_columns(ref, units, opts.outlier_columns))
     quantized = {u.name: QuantizedTensor.cat([members[m] for m in u.members]) for u in units}
     search = PlanSearch(UnitSwitch(model, quantized, units), meter, opts.kl_budget or float("inf"), opts.progress)
     result = QuantizeResult(req, {}, units, [], fidelity=None,  # type: ignore[arg-type]
                             dtype=opts.dtype, rounding=opts.rounding, scaling=scaling,
-                            scaling_trial=trial, outlier_columns=opts.outlier_columns)
+                            scaling_trial=trial, outlier_columns=opts.outlier_columns,
+                            head=parse_weight_scheme(opts.head_scheme) if opts.head_scheme else None)
     if opts.sensitivity or req.mixed:
         result.sensitivity = search.sensitivities()
     if req.mixed:
@@ -270,7 +291,7 @@ def quantize_model(opts: QuantizeOptions) -> QuantizeResult:
     else:
         result.chosen = [u.name for u in units]
     result.fidelity = search.measure(set(result.chosen))
-    result.plan = plan_for_units([u for u in units if u.name in set(result.chosen)], req.weight)
+    result.plan = {m: schemes[u.name] for u in units if u.name in set(result.chosen) for m in u.members}
     if opts.out is not None:
         result.out = save_quantized(ckpt, tensors, members, result, opts.out)
         if opts.tool_eval:
@@ -312,6 +333,7 @@ def plan_record(result: QuantizeResult) -> dict[str, Any]:
     return {
         "scheme": result.request.scheme,
         "weight_format": result.request.weight.name,
+        "head_format": result.head.name if result.head else None,
         "rounding": result.rounding,
         "scaling": "awq" if result.scaling else "none",
         "scaling_trial_kl": result.scaling_trial or None,

@@ -77,6 +77,27 @@ def test_unprotected_head_is_quantized(tiny_checkpoint, tmp_path):
     assert len(llm.generate(["hello"], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids) == 4
 
 
+def test_head_scheme_quantizes_the_head_in_its_own_format(tiny_checkpoint, tmp_path):
+    """--head-scheme int8 beside int4 layers (as llama.cpp keeps the output tensor at more bits): the plan, the
+    saved config and the loaded model hold the head in int8 and the layers in int4, and the KL is what a fresh
+    load measures."""
+    src, out = tiny_checkpoint("llama", tie_word_embeddings=True), tmp_path / "h"
+    r = quantize_model(_opts(src, out, scheme="int4-g32", head_scheme="int8", sensitivity=False, tool_eval=False))
+    assert r.plan["lm_head"].name == "int8" and r.plan["model.layers.0.mlp.down_proj"].name == "int4-g32"
+    assert "lm_head" in r.chosen and r.head is not None and r.head.name == "int8"
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg["format"] == "mixed-precision" and "lm_head" not in qcfg["ignore"]
+    heads = [g for g in qcfg["config_groups"].values() if "lm_head" in g["targets"]]
+    assert heads[0]["weights"]["num_bits"] == 8 and heads[0]["targets"] == ["lm_head"]
+    assert json.loads((out / "quant_plan.json").read_text())["head_format"] == "int8"
+    assert _measure_loaded(src, out) == pytest.approx(r.fidelity.kl_mean, rel=1e-4, abs=1e-9)
+    model = LLM(config=EngineConfig(model=str(out), dtype="float32")).engine.runner.model
+    assert model.lm_head.bits == 8 and model.layers[0].down.bits == 4
+    # without it the head stays protected (dense)
+    plain = quantize_model(_opts(src, None, scheme="int4-g32", sensitivity=False, tool_eval=False))
+    assert "lm_head" not in plain.plan and plain.head is None
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
@@ -87,6 +108,7 @@ def test_unprotected_head_is_quantized(tiny_checkpoint, tmp_path):
         (dict(scheme="int8", outlier_columns=0.7), "share of each layer"),
         (dict(scheme="int8", outlier_columns=-0.1), "share of each layer"),
         (dict(scheme="int8", outlier_columns=0.05, rounding="gptq"), "round to nearest"),
+        (dict(scheme="int4-g128", head_scheme="int6"), "unknown quantization scheme"),
     ],
 )
 def test_bad_scheme_or_budget_is_a_clear_error(tiny_checkpoint, tmp_path, kw, match):
