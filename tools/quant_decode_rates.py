@@ -1,5 +1,5 @@
-"""Decode tokens/s of saved checkpoints against the first one, taking turns round by round, as
-`kvyard bench quant` times them (the same `decode_rate`), without quantizing anything again.
+"""Decode tokens/s of saved checkpoints against the first one, taking turns step by step, as `kvyard bench
+quant` times them (the same `decode_rates`), without quantizing anything again.
 
 usage: python tools/quant_decode_rates.py BATCHES ROUNDS NAME=MODEL [NAME=MODEL ...]
        python tools/quant_decode_rates.py 1,32 5 bf16=smollm2-135m int8=bench-results/quant-s11-smollm2/int8
@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from kvyard.bench.quant import decode_rate
+from kvyard.bench.quant import decode_rates
 from kvyard.config import EngineConfig
 from kvyard.llm import LLM
 
@@ -28,7 +28,7 @@ def main() -> None:
     base = next(iter(engines))
     runs = []
     for r in range(rounds):
-        runs.append({f"{name}.b{b}": decode_rate(llm, b, 128, 32) for b in batches for name, llm in engines.items()})
+        runs.append({f"{name}.b{b}": rate for b in batches for name, rate in decode_rates(engines, b, 128, 32).items()})
         print(f"round {r + 1}: " + ", ".join(f"{k}={v:.1f}" for k, v in runs[-1].items()), flush=True)
     for b in batches:
         med = {name: statistics.median(run[f"{name}.b{b}"] for run in runs) for name in engines}

@@ -27,3 +27,33 @@ def timed_decode_steps(llm: LLM, prompts: list, params: SamplingParams, steps: i
             eng.abort_request(i)
     eng.step()  # report the aborts, free the blocks
     return times
+
+
+def interleaved_decode_steps(llms: dict[str, LLM], prompts: list, params: SamplingParams,
+                             steps: int) -> dict[str, list[float]]:
+    """Seconds of each decode step of every engine, the engines taking turns step by step over the same prompts.
+
+    A paired design for a noisy machine: a slow spell hits every engine within a few steps, rather than one
+    engine's whole block of steps, so the ratios of the per-step times hold even when the absolute times drift.
+    """
+    running = {}
+    for name, llm in llms.items():
+        eng = llm.engine
+        ids = [eng.add_request(p, params) for p in prompts]
+        running[name] = (ids, [eng._tracked[i].req for i in ids])
+        while any(r.num_output_tokens == 0 for r in running[name][1]):
+            eng.step()
+    times: dict[str, list[float]] = {name: [] for name in llms}
+    for _ in range(steps):
+        if any(r.finished for _, reqs in running.values() for r in reqs):
+            break
+        for name, llm in llms.items():
+            start = time.perf_counter()
+            llm.engine.step()
+            times[name].append(time.perf_counter() - start)
+    for name, llm in llms.items():
+        for i in running[name][0]:
+            if i in llm.engine._tracked:
+                llm.engine.abort_request(i)
+        llm.engine.step()
+    return times

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvyard.bench.decode_steps import timed_decode_steps
+from kvyard.bench.decode_steps import interleaved_decode_steps
 from kvyard.bench.output import emit_json, machine_info
 from kvyard.bench.workload import random_workload
 from kvyard.config import EngineConfig, parse_dtype
@@ -88,12 +88,19 @@ def kv_bytes_per_token(llm: LLM) -> int:
     return sum(c.nbytes for c in caches) // caches[0].k.shape[0]
 
 
-def decode_rate(llm: LLM, batch: int, input_len: int, steps: int) -> float:
-    """Decode tokens per second of `batch` running requests, measured after all prompts are prefilled."""
-    work = random_workload(llm.tokenizer, batch, input_len, 1, seed=batch)
+def decode_rates(llms: dict[str, LLM], batch: int, input_len: int, steps: int) -> dict[str, float]:
+    """Decode tokens per second of `batch` running requests in each engine, measured after all prompts are
+    prefilled, the engines taking turns step by step (interleaved_decode_steps); from the median step time, so
+    that a step the VM stalled does not count."""
+    first = next(iter(llms.values()))
+    work = random_workload(first.tokenizer, batch, input_len, 1, seed=batch)
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    times = timed_decode_steps(llm, work.prompts, params, steps)
-    return batch * len(times) / sum(times)
+    times = interleaved_decode_steps(llms, work.prompts, params, steps)
+    return {name: batch / statistics.median(t) for name, t in times.items()}
+
+
+def decode_rate(llm: LLM, batch: int, input_len: int, steps: int) -> float:
+    return decode_rates({"": llm}, batch, input_len, steps)[""]
 
 
 def _fidelity_row(r: QuantizeResult) -> dict:
@@ -151,8 +158,8 @@ def run_quant_bench(args: argparse.Namespace) -> int:
                for name, p in paths.items()}
     rounds = []
     for r in range(args.repeats):
-        row = {f"{name}.b{b}": decode_rate(llm, b, args.input_len, args.decode_steps)
-               for b in batches for name, llm in engines.items()}
+        row = {f"{name}.b{b}": rate for b in batches
+               for name, rate in decode_rates(engines, b, args.input_len, args.decode_steps).items()}
         print(f"round {r + 1}: " + ", ".join(f"{k}={v:.1f}" for k, v in row.items()), file=sys.stderr)
         rounds.append(row)
     med = {k: statistics.median(rd[k] for rd in rounds) for k in rounds[0]}
