@@ -219,11 +219,12 @@ class VnniLowBitLinear(_KvyardLowBit):
         zero = self._zero_term(qt)
         self.zero = None if zero is None else zero.t().contiguous()
         # outlier columns: indices and their weights in the model's bf16 (the dense model's own values), which
-        # the AVX-512 kernel adds itself, block by block: [N/32, C, 32], read in step with the codes (as [C, N]
-        # every block touched C far-apart lines, and SmolLM2's int8 layers with 5% kept ran 1.6x slower)
+        # the AVX-512 kernel adds itself, block by block, read in step with the codes (as [C, N] every block
+        # touched C far-apart lines, and SmolLM2's int8 layers with 5% kept ran 1.6x slower): in VNNI pairs,
+        # [N/32, ceil(C/2), 32, 2], an odd last column paired with zeros
         self.outlier_cols = qt.outlier_cols
         self.outliers = None if qt.outliers is None else (
-            qt.outliers.bfloat16().reshape(n // vnni.BLOCK_COLS, vnni.BLOCK_COLS, -1).transpose(1, 2).contiguous())
+            vnni.to_blocks(F.pad(qt.outliers.bfloat16(), (0, qt.outliers.shape[1] % 2))))
 
     @classmethod
     def fits(cls, qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> bool:
@@ -247,7 +248,7 @@ class VnniLowBitLinear(_KvyardLowBit):
 
     def _outlier_weights(self) -> torch.Tensor:
         """The kept columns' weights as [N, C], back from the blocked layout."""
-        return self.outliers.transpose(1, 2).reshape(self.out_features, -1)  # type: ignore[union-attr]
+        return vnni.from_blocks(self.outliers)[:, : self.outlier_cols.numel()]  # type: ignore[arg-type,union-attr]
 
     def _values(self) -> torch.Tensor:
         """q as float32 [N, K], back from the blocked layout."""

@@ -119,11 +119,12 @@ def test_bad_inputs_raise():
 @needs_vnni
 @pytest.mark.parametrize("name", SCHEMES)
 @pytest.mark.parametrize("rows", [1, 3, 7, 70])
-def test_outlier_columns_are_added_in_full_precision(name, rows):
+@pytest.mark.parametrize("cols", [[0, 17, 300, 575], [3, 40, 41]])  # an odd count: the last pair padded
+def test_outlier_columns_are_added_in_full_precision(name, rows, cols):
     """Columns kept beside the codes (LLM.int8-style) come out as exact fp32 products, the rest as before."""
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 576, generator=g)
-    qt = QuantizedTensor.quantize(w, parse_weight_scheme(name), torch.tensor([0, 17, 300, 575]))
+    qt = QuantizedTensor.quantize(w, parse_weight_scheme(name), torch.tensor(cols))
     lin = make_linear(qt, torch.bfloat16, CPU)
     assert isinstance(lin, VnniLowBitLinear) and lin.nbytes > VnniLowBitLinear(
         QuantizedTensor(qt.scheme, qt.q, qt.scale, qt.zero_point)).nbytes

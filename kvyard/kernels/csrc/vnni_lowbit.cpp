@@ -16,7 +16,8 @@
 // Several rows: codes widened to bf16 (exact for these integers; int4 as 128 + u, OR-ed into 128.0's bits) and
 // VDPBF16PS against x's bf16 pairs, exactly as the dense kernels sum (fp32, products exact).
 // Scales and zero terms apply per group to each column's fp32 sum: y = sum_g scale_g * (x . q_g) + zero_g * sum_g(x),
-// and outlier columns kept in the model's bf16 (their codes zero) add x[:, cols] . outliers in fp32.
+// and outlier columns kept in the model's bf16 (their codes zero) add x[:, cols] . outliers in fp32 (VDPBF16PS
+// over the kept columns in pairs).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -38,15 +39,17 @@ using Weight = vnni::LowBitBlocks;
 // Input columns kept in full precision beside the codes (zero there): y += x[:, cols] . outliers.
 struct Outliers {
   const int64_t* cols = nullptr;
-  // bf16 [N/32, C, 32]: block by block (read with the block's codes, one stream), kept column j's 32 weights
+  // bf16 [N/32, P, 32, 2], P = ceil(C / 2): the kept columns in pairs, as the dense VNNI blocks hold a weight (the
+  // last pair padded with zero), block by block, read in step with the block's codes
   const uint16_t* weights = nullptr;
-  int64_t count = 0;
+  int64_t count = 0, pairs = 0;
 
-  // x's values at the kept columns, fp32, [rows, C].
-  std::vector<float> gather(const float* xf, int64_t m, int64_t k) const {
-    std::vector<float> xo(m * count);
+  // x's values at the kept columns as bf16 pairs, [rows, P]: the broadcast operand of VDPBF16PS.
+  std::vector<uint32_t> gather(const uint16_t* x, int64_t m, int64_t k) const {
+    std::vector<uint32_t> xo(m * pairs, 0);
+    auto* halves = reinterpret_cast<uint16_t*>(xo.data());
     for (int64_t r = 0; r < m; ++r)
-      for (int64_t j = 0; j < count; ++j) xo[r * count + j] = xf[r * k + cols[j]];
+      for (int64_t j = 0; j < count; ++j) halves[r * 2 * pairs + j] = x[r * k + cols[j]];
     return xo;
   }
 };
@@ -81,14 +84,14 @@ inline __m512 offset_coef(const Weight& w, int64_t g, int64_t col, float offset)
   return w.zero != nullptr ? _mm512_add_ps(coef, _mm512_loadu_ps(w.zero + g * w.n + col)) : coef;
 }
 
-// acc (16 outputs from column `col`) + sum_j xo[j] * (kept column j's weights for those outputs), in fp32
-inline __m512 add_outliers(const Outliers& o, __m512 acc, const float* xo, int64_t col) {
-  const uint16_t* w = o.weights + (col / kBlockCols) * o.count * kBlockCols + col % kBlockCols;
-  for (int64_t j = 0; j < o.count; ++j) {
-    const __m256i bf = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * kBlockCols));
-    const __m512 wj = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf), 16));
-    acc = _mm512_fmadd_ps(_mm512_set1_ps(xo[j]), wj, acc);
-  }
+// acc (16 outputs from column `col`) + sum_j xo[j] * (kept column j's weights for those outputs), in fp32: a pair
+// of kept columns a VDPBF16PS (bf16 products are exact; one instruction for 32 weights, where widening each bf16
+// weight for an FMA took four for 16 and made 5 % of the columns cost int4-g128 layers ~15 %)
+inline __m512 add_outliers(const Outliers& o, __m512 acc, const uint32_t* xo, int64_t col) {
+  const uint16_t* w = o.weights + ((col / kBlockCols) * o.pairs * kBlockCols + col % kBlockCols) * 2;
+  for (int64_t j = 0; j < o.pairs; ++j)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + j * 2 * kBlockCols),
+                           (__m512bh)_mm512_set1_epi32(static_cast<int>(xo[j])));
   return acc;
 }
 
@@ -137,7 +140,7 @@ inline void widen_int16(const uint8_t* row, __m512i& lo, __m512i& hi) {
 }
 
 template <int kBits>
-void gemv_block(const Weight& w, const Int16X& x, const float* sums, const Outliers& o, const float* xo, int64_t nb,
+void gemv_block(const Weight& w, const Int16X& x, const float* sums, const Outliers& o, const uint32_t* xo, int64_t nb,
                 at::BFloat16* out) {
   const uint8_t* b = block(w, nb);
   const int64_t col = nb * kBlockCols, groups = num_groups(w.k, w.group), rb = row_bytes(w);
@@ -191,7 +194,7 @@ inline void widen_bf16(const uint8_t* row, __m512bh& lo, __m512bh& hi) {
 }
 
 template <int kBits, int kRows>
-void tile(const Weight& w, const uint16_t* x, const float* sums, const Outliers& o, const float* xo, int64_t nb,
+void tile(const Weight& w, const uint16_t* x, const float* sums, const Outliers& o, const uint32_t* xo, int64_t nb,
           int64_t m0, at::BFloat16* out) {
   const uint8_t* b = block(w, nb);
   const int64_t col = nb * kBlockCols, groups = num_groups(w.k, w.group), rb = row_bytes(w), pairs = w.k / 2;
@@ -222,11 +225,11 @@ void tile(const Weight& w, const uint16_t* x, const float* sums, const Outliers&
   }
   for (int r = 0; r < kRows; ++r)
     for (int h = 0; h < 2; ++h)
-      store16(add_outliers(o, y[r][h], xo + (m0 + r) * o.count, col + 16 * h), out + (m0 + r) * w.n + col + 16 * h);
+      store16(add_outliers(o, y[r][h], xo + (m0 + r) * o.pairs, col + 16 * h), out + (m0 + r) * w.n + col + 16 * h);
 }
 
 template <int kBits>
-using TileFn = void (*)(const Weight&, const uint16_t*, const float*, const Outliers&, const float*, int64_t, int64_t,
+using TileFn = void (*)(const Weight&, const uint16_t*, const float*, const Outliers&, const uint32_t*, int64_t, int64_t,
                         at::BFloat16*);
 
 template <int kBits, int... kRows>
@@ -241,7 +244,7 @@ void matmul(const uint16_t* x, const Weight& w, const Outliers& o, at::BFloat16*
   const bool need_sums = kBits == 4 || w.zero != nullptr;
   const std::vector<float> sums = need_sums ? group_sums(xf.data(), m, w.k, w.group) : std::vector<float>();
   const float* s = need_sums ? sums.data() : nullptr;
-  const std::vector<float> xo = o.gather(xf.data(), m, w.k);
+  const std::vector<uint32_t> xo = o.gather(x, m, w.k);
   if (m == 1) {
     const Int16X xq = round_x(xf.data(), w.k, w.group);
     at::parallel_for(0, w.n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
@@ -283,11 +286,11 @@ at::Tensor vnni_lowbit_linear(const at::Tensor& x, const at::Tensor& q, const at
     TORCH_CHECK(outlier_cols->scalar_type() == at::kLong && outlier_cols->dim() == 1 && outlier_cols->is_contiguous(),
                 "outlier_cols must be a contiguous int64 [C] vector");
     TORCH_CHECK(outliers->scalar_type() == at::kBFloat16 && outliers->is_contiguous() &&
-                    outliers->sizes() == at::IntArrayRef({n / kBlockCols, c, kBlockCols}),
-                "outliers must be contiguous bf16 [out/32, C, 32]");
+                    outliers->sizes() == at::IntArrayRef({n / kBlockCols, (c + 1) / 2, kBlockCols, 2}),
+                "outliers must be contiguous bf16 [out/32, ceil(C/2), 32, 2]");
     const int64_t* cols = outlier_cols->data_ptr<int64_t>();
     TORCH_CHECK(std::all_of(cols, cols + c, [k](int64_t j) { return j >= 0 && j < k; }), "outlier column out of range");
-    o = Outliers{cols, reinterpret_cast<const uint16_t*>(outliers->data_ptr()), c};
+    o = Outliers{cols, reinterpret_cast<const uint16_t*>(outliers->data_ptr()), c, (c + 1) / 2};
   }
   return vnni::lowbit_blocks_linear(x, q, scale, zero, bits, group_size,
                                     [&o](const uint16_t* xp, const Weight& w, uint16_t* op, int64_t m) {
