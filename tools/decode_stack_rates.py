@@ -5,10 +5,9 @@ usage: python tools/decode_stack_rates.py BATCHES ROUNDS NAME=MODEL [NAME=MODEL 
        python tools/decode_stack_rates.py 1,32 5 bf16=smollm2-135m int8=bench-results/quant-s14-smollm2/int8
 """
 import os
-import statistics
 import sys
 
-from quant_decode_rates import batches_rounds_engines  # this script's folder is on sys.path
+from quant_decode_rates import batches_rounds_engines, paired  # this script's folder is on sys.path
 
 from kvyard.bench.quant import decode_rate
 
@@ -27,11 +26,8 @@ def main() -> None:
         print(f"round {r + 1}: " + ", ".join(f"{k}={v:.1f}" for k, v in run.items()), flush=True)
     for name in engines:
         for b in batches:
-            stack, layers = f"{name}.b{b}.stack", f"{name}.b{b}.layers"
-            ratios = [run[stack] / run[layers] for run in runs]
-            print(f"{name} b{b}: {statistics.median(run[stack] for run in runs):.1f} tok/s with the stack against "
-                  f"{statistics.median(run[layers] for run in runs):.1f} layer by layer, {statistics.median(ratios):.2f}x "
-                  f"(rounds {[round(x, 2) for x in ratios]})")
+            print(f"{name} b{b}, the stack against layer by layer: "
+                  + paired(runs, f"{name}.b{b}.stack", f"{name}.b{b}.layers"))
 
 
 if __name__ == "__main__":

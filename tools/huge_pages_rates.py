@@ -5,10 +5,10 @@ usage: python tools/huge_pages_rates.py ROUNDS NAME=MODEL [NAME=MODEL ...]
        python tools/huge_pages_rates.py 5 bf16=smollm2-135m int8=bench-results/quant-s13-smollm2/int8
 """
 import os
-import statistics
 import sys
 
 import torch
+from quant_decode_rates import paired  # this script's folder is on sys.path
 
 from kvyard.bench.quant import decode_rate
 from kvyard.config import EngineConfig
@@ -28,11 +28,7 @@ def main() -> None:
         runs.append({key: decode_rate(llm, 1, 128, 32) for key, llm in engines.items()})
         print(f"round {r + 1}: " + ", ".join(f"{k}={v:.1f}" for k, v in runs[-1].items()), flush=True)
     for key in (k for k in engines if k.endswith("-huge")):
-        small = key.removesuffix("-huge") + "-4k"
-        ratios = [run[key] / run[small] for run in runs]
-        print(f"{key}: {statistics.median(run[key] for run in runs):.1f} tok/s against "
-              f"{statistics.median(run[small] for run in runs):.1f} on 4 KB pages, {statistics.median(ratios):.3f}x "
-              f"(rounds {[round(x, 2) for x in ratios]})")
+        print(f"{key}, huge pages against 4 KB pages: " + paired(runs, key, key.removesuffix("-huge") + "-4k"))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,14 @@ def batches_rounds_engines(argv: list[str]) -> tuple[list[int], int, dict[str, L
     return [int(b) for b in argv[0].split(",")], int(argv[1]), engines
 
 
+def paired(runs: list[dict[str, float]], key: str, base: str) -> str:
+    """'A tok/s against B, R x (rounds [...])': the medians of `key` and `base` over the rounds, and the median of
+    their per-round ratios (each round measured both under the same conditions)."""
+    ratios = [run[key] / run[base] for run in runs]
+    return (f"{statistics.median(run[key] for run in runs):.1f} tok/s against {statistics.median(run[base] for run in runs):.1f}, "
+            f"{statistics.median(ratios):.2f}x (rounds {[round(x, 2) for x in ratios]})")
+
+
 def main() -> None:
     batches, rounds, engines = batches_rounds_engines(sys.argv[1:])
     base = next(iter(engines))

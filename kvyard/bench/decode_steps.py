@@ -12,26 +12,13 @@ def timed_decode_steps(llm: LLM, prompts: list, params: SamplingParams, steps: i
     The requests are added together, stepped until each has its first token (prefill done), timed
     until one finishes or `steps` is reached, then aborted so that the engine is empty again.
     """
-    eng = llm.engine
-    ids = [eng.add_request(p, params) for p in prompts]
-    reqs = [eng._tracked[i].req for i in ids]
-    while any(r.num_output_tokens == 0 for r in reqs):
-        eng.step()
-    times = []
-    while len(times) < steps and not any(r.finished for r in reqs):
-        start = time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - start)
-    for i in ids:
-        if i in eng._tracked:
-            eng.abort_request(i)
-    eng.step()  # report the aborts, free the blocks
-    return times
+    return interleaved_decode_steps({"": llm}, prompts, params, steps)[""]
 
 
 def interleaved_decode_steps(llms: dict[str, LLM], prompts: list, params: SamplingParams,
                              steps: int) -> dict[str, list[float]]:
-    """Seconds of each decode step of every engine, the engines taking turns step by step over the same prompts.
+    """Seconds of each decode step of every engine, the engines taking turns step by step over the same prompts
+    (as timed_decode_steps does for one).
 
     A paired design for a noisy machine: a slow spell hits every engine within a few steps, rather than one
     engine's whole block of steps, so the ratios of the per-step times hold even when the absolute times drift.

@@ -41,11 +41,9 @@ def linear_spec(w: Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> Lin
         return (AMX if cpu_kernels.amx_available() else DPBF16), [w.blocks, None, None, bias, None, None], none
     if isinstance(w, PlainLowBitLinear):
         return LOW_BIT, [w.q, w.scale, w.zero, bias, None, None], [w.bits, w.group_size, w.out_features, w.k_pad]
-    if isinstance(w, VnniLowBitLinear) and dtype == torch.bfloat16:
-        ints = [w.bits, w.group_size, w.out_features, 0]
-        if not cpu_kernels.amx_available():  # the AVX-512 kernel adds outlier columns itself
-            return VNNI_LOW_BIT, [w.q, w.scale, w.zero, bias, w.outlier_cols, w.outliers], ints
-        return None if w.outliers is not None else (AMX_LOW_BIT, [w.q, w.scale, w.zero, bias, None, None], ints)
+    if isinstance(w, VnniLowBitLinear) and dtype == torch.bfloat16:  # outlier columns only on the AVX-512 kernel
+        kind = AMX_LOW_BIT if cpu_kernels.amx_available() else VNNI_LOW_BIT
+        return kind, [w.q, w.scale, w.zero, bias, w.outlier_cols, w.outliers], [w.bits, w.group_size, w.out_features, 0]
     if isinstance(w, torch.Tensor) and w.layout == torch.strided and not w.is_mkldnn and w.dtype == dtype:
         if dtype == torch.float32:
             return DENSE, [w, None, None, bias, None, None], none

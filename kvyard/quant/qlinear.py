@@ -6,6 +6,7 @@ Those kernels are tuned for few rows, though; a prefill chunk of hundreds of row
 and runs several times faster by dequantizing the weight once and taking the dense GEMM.
 """
 
+import dataclasses
 import functools
 from typing import Protocol
 
@@ -52,11 +53,6 @@ def dequantized_linear(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.dequantize(x.dtype))
 
 
-def outlier_term(x: torch.Tensor, cols: torch.Tensor, weights_t: torch.Tensor) -> torch.Tensor:
-    """x[:, cols] @ W_c^T in fp32: what a layer's full-precision outlier columns (weights_t [C, N]) add."""
-    return x[:, cols].float() @ weights_t.float()
-
-
 class OutlierColumns:
     """A low-bit layer whose kernel knows nothing of outlier columns, plus those columns in fp32: the codes are
     zero there, so y = layer(x) + x[:, cols] @ W_c^T (one more small matmul per call)."""
@@ -67,7 +63,7 @@ class OutlierColumns:
         self.cols, self.weights_t = cols, outliers.t().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.inner(x).float() + outlier_term(x, self.cols, self.weights_t)).to(x.dtype)
+        return (self.inner(x).float() + x[:, self.cols].float() @ self.weights_t.float()).to(x.dtype)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         w = self.inner.dequantize(torch.float32)
@@ -218,8 +214,9 @@ class VnniLowBitLinear(_KvyardLowBit):
         self.scale = qt.scale.t().contiguous()
         zero = self._zero_term(qt)
         self.zero = None if zero is None else zero.t().contiguous()
-        # outlier columns: indices and their weights in the model's bf16 (the dense model's own values), which
-        # the AVX-512 kernel adds itself, block by block, read in step with the codes (as [C, N] every block
+        # outlier columns (make_linear gives them only where the AVX-512 kernel runs; the AMX kernel's layers take
+        # them through OutlierColumns): indices and their weights in the model's bf16 (the dense model's own
+        # values), which the AVX-512 kernel adds itself, block by block, read in step with the codes (as [C, N] every block
         # touched C far-apart lines, and SmolLM2's int8 layers with 5% kept ran 1.6x slower): in VNNI pairs,
         # [N/32, ceil(C/2), 32, 2], an odd last column paired with zeros
         self.outlier_cols = qt.outlier_cols
@@ -238,13 +235,10 @@ class VnniLowBitLinear(_KvyardLowBit):
         amx = _on_amx()
         if x.dtype != torch.bfloat16 or (x.shape[0] > KERNEL_MAX_ROWS and amx):
             return dequantized_linear(self, x)
-        if not amx:
-            return torch.ops.kvyard.vnni_lowbit_linear(x, self.q, self.scale, self.zero, self.bits, self.group_size,
-                                                       self.outlier_cols, self.outliers)
-        y = torch.ops.kvyard.amx_linear_lowbit(x, self.q, self.scale, self.zero, self.bits, self.group_size)
-        if self.outliers is None:
-            return y
-        return (y.float() + outlier_term(x, self.outlier_cols, self._outlier_weights().t())).to(y.dtype)
+        if amx:
+            return torch.ops.kvyard.amx_linear_lowbit(x, self.q, self.scale, self.zero, self.bits, self.group_size)
+        return torch.ops.kvyard.vnni_lowbit_linear(x, self.q, self.scale, self.zero, self.bits, self.group_size,
+                                                   self.outlier_cols, self.outliers)
 
     def _outlier_weights(self) -> torch.Tensor:
         """The kept columns' weights as [N, C], back from the blocked layout."""
@@ -327,10 +321,13 @@ class PlainLowBitLinear(_KvyardLowBit, _PaddedInput):
 def make_linear(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> QuantizedLinear:
     """The fastest low-bit form here: kvyard's VNNI blocks (AMX or AVX-512 kernel), else its portable kernel, else
     PyTorch's own."""
+    inner: QuantizedLinear
     if VnniLowBitLinear.fits(qt, dtype, device):
-        return VnniLowBitLinear(qt)  # adds its outlier columns itself
-    if PlainLowBitLinear.fits(qt, dtype, device):
-        inner: QuantizedLinear = PlainLowBitLinear(qt)
+        if qt.outliers is None or not _on_amx():
+            return VnniLowBitLinear(qt)  # the AVX-512 kernel adds outlier columns itself
+        inner = VnniLowBitLinear(dataclasses.replace(qt, outlier_cols=None, outliers=None))
+    elif PlainLowBitLinear.fits(qt, dtype, device):
+        inner = PlainLowBitLinear(qt)
     else:
         inner = Int8Linear(qt, dtype, device) if qt.scheme.bits == 8 else Int4Linear(qt, dtype, device)
     return inner if qt.outliers is None else OutlierColumns(inner, qt.outlier_cols, qt.outliers)  # type: ignore[arg-type]

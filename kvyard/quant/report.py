@@ -12,7 +12,7 @@ def report_dict(r: QuantizeResult) -> dict[str, Any]:
     out: dict[str, Any] = {
         "scheme": r.request.scheme,
         "weight_format": r.request.weight.name,
-        "head_format": r.head.name if r.head else None,
+        "head_format": r.request.head.name if r.request.head else None,
         "rounding": r.rounding,
         "outlier_columns": r.outlier_columns,
         "fidelity": r.fidelity.as_dict(),
@@ -44,7 +44,7 @@ def report_markdown(r: QuantizeResult) -> str:
         f"| calibration tokens | {f.tokens} |",
         f"| rounding | {r.rounding}" + (" (its Hessians come from these same tokens: the KL above is in-sample)"
                                         if r.rounding == "gptq" else "") + " |",
-        *([f"| LM head | {r.head.name} |"] if r.head else []),
+        *([f"| LM head | {r.request.head.name} |"] if r.request.head else []),
         *([f"| outlier columns kept in full precision | {r.outlier_columns:.1%} of each layer's inputs |"]
           if r.outlier_columns else []),
         f"| layers quantized | {len(r.chosen)} of {len(r.units)} candidates |",

@@ -65,9 +65,11 @@ class QuantRequest:
     scheme: str  # as typed
     weight: WeightScheme  # the low-bit format; for `mixed`, the one chosen layers get
     mixed: bool
+    head: WeightScheme | None = None  # the LM head's own format (--head-scheme); None: it follows --protect
 
 
-def parse_quant_request(scheme: str, mixed_weight: str = "int4-g128") -> QuantRequest:
+def parse_quant_request(scheme: str, mixed_weight: str = "int4-g128", head: str | None = None) -> QuantRequest:
+    head_scheme = None if head is None else parse_weight_scheme(head)
     if scheme == "mixed":
-        return QuantRequest(scheme, parse_weight_scheme(mixed_weight), mixed=True)
-    return QuantRequest(scheme, parse_weight_scheme(scheme), mixed=False)
+        return QuantRequest(scheme, parse_weight_scheme(mixed_weight), mixed=True, head=head_scheme)
+    return QuantRequest(scheme, parse_weight_scheme(scheme), mixed=False, head=head_scheme)

@@ -44,7 +44,6 @@ from kvyard.quant.scheme import (
     WeightScheme,
     check_rounding,
     parse_quant_request,
-    parse_weight_scheme,
 )
 from kvyard.quant.search import PlanSearch, SearchResult, UnitSwitch, naive_order, searched_plan
 from kvyard.quant.sequential import sequential_gptq
@@ -87,7 +86,6 @@ class QuantizeResult:
     scaling: dict[str, UnitScaling] = field(default_factory=dict)  # per unit, when scaled
     scaling_trial: dict[str, float] = field(default_factory=dict)  # --scaling auto: KL with and without
     outlier_columns: float = 0.0
-    head: WeightScheme | None = None  # the LM head's format when it differs from request.weight
 
     @property
     def quantized_params(self) -> int:
@@ -96,7 +94,7 @@ class QuantizeResult:
 
 
 def check_options(opts: QuantizeOptions) -> QuantRequest:
-    req = parse_quant_request(opts.scheme, opts.mixed_weight)
+    req = parse_quant_request(opts.scheme, opts.mixed_weight, opts.head_scheme)
     check_rounding(opts.rounding)
     if opts.scaling not in SCALINGS:
         raise ConfigError(f"unknown scaling {opts.scaling!r}; choose {', '.join(SCALINGS)}", param="scaling")
@@ -109,8 +107,6 @@ def check_options(opts: QuantizeOptions) -> QuantRequest:
                           f"{opts.outlier_columns}", param="outlier_columns")
     if opts.outlier_columns and opts.rounding == "gptq":
         raise ConfigError("--outlier-columns works with round to nearest only (--rounding rtn)", param="outlier_columns")
-    if opts.head_scheme is not None:
-        parse_weight_scheme(opts.head_scheme)
     return req
 
 
@@ -120,11 +116,10 @@ def candidate_units(cfg: ModelConfig, opts: QuantizeOptions) -> list[Unit]:
             if not is_protected(u, opts.protect) or (u.attr == "lm_head" and opts.head_scheme is not None)]
 
 
-def unit_schemes(units: list[Unit], weight: WeightScheme, head: str | None = None) -> dict[str, WeightScheme]:
+def unit_schemes(units: list[Unit], weight: WeightScheme, head: WeightScheme | None = None) -> dict[str, WeightScheme]:
     """Unit name -> format: `weight` everywhere, except the LM head when it has its own (`head`). llama.cpp's
     4-bit files keep the output tensor at 6 bits for the same reason: every token's logits go through it."""
-    head_scheme = parse_weight_scheme(head) if head is not None else weight
-    return {u.name: head_scheme if u.attr == "lm_head" else weight for u in units}
+    return {u.name: head if u.attr == "lm_head" and head is not None else weight for u in units}
 
 
 def _source_weight(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -175,9 +170,8 @@ def scaled_reference(ref: Reference, units: list[Unit], scheme: WeightScheme, op
     return replace(ref, tensors=tensors, model=_dense_model(ref.ckpt, tensors, opts)), chosen
 
 
-def _uniform_kl(ref: Reference, units: list[Unit], scheme: WeightScheme, meter: FidelityMeter) -> float:
+def _uniform_kl(ref: Reference, units: list[Unit], schemes: dict[str, WeightScheme], meter: FidelityMeter) -> float:
     """Mean KL with every unit rounded to nearest (with its outlier columns): what `--scaling auto` compares."""
-    schemes = unit_schemes(units, scheme, ref.opts.head_scheme)
     members = quantize_members(ref, units, schemes, "rtn", outliers=outlier_columns(ref, units, ref.opts.outlier_columns))
     switch = UnitSwitch(ref.model, {u.name: QuantizedTensor.cat([members[m] for m in u.members]) for u in units}, units)
     try:
@@ -186,9 +180,10 @@ def _uniform_kl(ref: Reference, units: list[Unit], scheme: WeightScheme, meter: 
         switch.apply(set())  # the dense weights back, for the search that follows
 
 
-def choose_scaling(ref: Reference, units: list[Unit], scheme: WeightScheme,
+def choose_scaling(ref: Reference, units: list[Unit], schemes: dict[str, WeightScheme], scheme: WeightScheme,
                    opts: QuantizeOptions) -> tuple[Reference, dict[str, UnitScaling], dict[str, float]]:
-    """The reference to quantize from, its per-unit scales, and (for `auto`) the KL each choice measured.
+    """The reference to quantize from, its per-unit scales, and (for `auto`) the KL each choice measured. The
+    scales are fitted for `scheme`, the decoder layers' format; `schemes` holds every unit's, the head's included.
 
     `auto` fits the scales on every other calibration sequence and compares both choices on the rest, so
     the decision is made on text the scales did not see (judged on the text they were fitted on, AWQ won
@@ -202,8 +197,8 @@ def choose_scaling(ref: Reference, units: list[Unit], scheme: WeightScheme,
         fit, judge = (seqs[0::2], seqs[1::2]) if len(seqs) >= 2 else (seqs, seqs)
         with torch.inference_mode():
             meter = FidelityMeter(ref.model, judge)
-        trial = {"none": _uniform_kl(ref, units, scheme, meter),
-                 "awq": _uniform_kl(scaled_reference(ref, units, scheme, opts, fit)[0], units, scheme, meter)}
+        trial = {"none": _uniform_kl(ref, units, schemes, meter),
+                 "awq": _uniform_kl(scaled_reference(ref, units, scheme, opts, fit)[0], units, schemes, meter)}
         if trial["awq"] >= trial["none"]:
             return ref, {}, trial
     scaled, chosen = scaled_reference(ref, units, scheme, opts)
@@ -270,8 +265,8 @@ def quantize_model(opts: QuantizeOptions) -> QuantizeResult:
     req = check_options(opts)
     source = load_reference(opts)
     units = candidate_units(source.ckpt.config, opts)
-    schemes = unit_schemes(units, req.weight, opts.head_scheme)
-    ref, scaling, trial = choose_scaling(source, units, req.weight, opts)
+    schemes = unit_schemes(units, req.weight, req.head)
+    ref, scaling, trial = choose_scaling(source, units, schemes, req.weight, opts)
     ckpt, tensors, calib, model, meter = ref.ckpt, ref.tensors, ref.calib, ref.model, ref.meter
     # Each HF linear is quantized once: the search runs the fused units, the checkpoint stores the members.
     members = quantize_members(ref, units, schemes, opts.rounding,
@@ -280,8 +275,7 @@ def quantize_model(opts: QuantizeOptions) -> QuantizeResult:
     search = PlanSearch(UnitSwitch(model, quantized, units), meter, opts.kl_budget or float("inf"), opts.progress)
     result = QuantizeResult(req, {}, units, [], fidelity=None,  # type: ignore[arg-type]
                             dtype=opts.dtype, rounding=opts.rounding, scaling=scaling,
-                            scaling_trial=trial, outlier_columns=opts.outlier_columns,
-                            head=parse_weight_scheme(opts.head_scheme) if opts.head_scheme else None)
+                            scaling_trial=trial, outlier_columns=opts.outlier_columns)
     if opts.sensitivity or req.mixed:
         result.sensitivity = search.sensitivities()
     if req.mixed:
@@ -333,7 +327,7 @@ def plan_record(result: QuantizeResult) -> dict[str, Any]:
     return {
         "scheme": result.request.scheme,
         "weight_format": result.request.weight.name,
-        "head_format": result.head.name if result.head else None,
+        "head_format": result.request.head.name if result.request.head else None,
         "rounding": result.rounding,
         "scaling": "awq" if result.scaling else "none",
         "scaling_trial_kl": result.scaling_trial or None,

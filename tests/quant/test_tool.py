@@ -84,7 +84,7 @@ def test_head_scheme_quantizes_the_head_in_its_own_format(tiny_checkpoint, tmp_p
     src, out = tiny_checkpoint("llama", tie_word_embeddings=True), tmp_path / "h"
     r = quantize_model(_opts(src, out, scheme="int4-g32", head_scheme="int8", sensitivity=False, tool_eval=False))
     assert r.plan["lm_head"].name == "int8" and r.plan["model.layers.0.mlp.down_proj"].name == "int4-g32"
-    assert "lm_head" in r.chosen and r.head is not None and r.head.name == "int8"
+    assert "lm_head" in r.chosen and r.request.head is not None and r.request.head.name == "int8"
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["format"] == "mixed-precision" and "lm_head" not in qcfg["ignore"]
     heads = [g for g in qcfg["config_groups"].values() if "lm_head" in g["targets"]]
@@ -95,7 +95,7 @@ def test_head_scheme_quantizes_the_head_in_its_own_format(tiny_checkpoint, tmp_p
     assert model.lm_head.bits == 8 and model.layers[0].down.bits == 4
     # without it the head stays protected (dense)
     plain = quantize_model(_opts(src, None, scheme="int4-g32", sensitivity=False, tool_eval=False))
-    assert "lm_head" not in plain.plan and plain.head is None
+    assert "lm_head" not in plain.plan and plain.request.head is None
 
 
 @pytest.mark.parametrize(
