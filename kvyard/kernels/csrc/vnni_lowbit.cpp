@@ -62,17 +62,22 @@ constexpr bool kCompiled = true;
 constexpr int64_t kMaxRun = 128;  // x values per int16 scale
 constexpr int kTileRows = 6;      // rows of x per pass of the several-row loop: 4 x 6 + a few registers
 
-// sums[r][g] = the sum of x's row r over group g, for the zero terms and int4's offset.
-std::vector<float> group_sums(const float* x, int64_t m, int64_t k, int64_t group) {
+// 16 bf16 values widened to fp32 (exactly: the bits shifted into the high half)
+inline __m512 load_bf16x16(const uint16_t* x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+
+// sums[r][g] = the sum of x's row r over group g, for the zero terms and int4's offset (groups are multiples of 32
+// values: whole vectors).
+std::vector<float> group_sums(const uint16_t* x, int64_t m, int64_t k, int64_t group) {
   const int64_t groups = num_groups(k, group);
   std::vector<float> sums(m * groups, 0.0f);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.0f;
+      __m512 s = _mm512_setzero_ps();
       const int64_t end = std::min(k, (g + 1) * group);
-#pragma omp simd reduction(+ : s)
-      for (int64_t i = g * group; i < end; ++i) s += x[r * k + i];
-      sums[r * groups + g] = s;
+      for (int64_t i = g * group; i < end; i += 16) s = _mm512_add_ps(s, load_bf16x16(x + r * k + i));
+      sums[r * groups + g] = _mm512_reduce_add_ps(s);
     }
   return sums;
 }
@@ -120,20 +125,25 @@ struct Int16X {
   int64_t run;
 };
 
-Int16X round_x(const float* x, int64_t k, int64_t group) {
+// x's one row as int16 codes: runs are multiples of 16 values (k and groups are multiples of 32), so whole vectors;
+// the conversion rounds to nearest even, as nearbyint does in the default rounding mode
+Int16X round_x(const uint16_t* x, int64_t k, int64_t group) {
   int64_t run = kMaxRun;
   while (group % run != 0) run /= 2;  // groups hold whole runs (group is a multiple of 32)
   Int16X out{std::vector<int32_t>(k / 2), std::vector<float>(num_groups(k, run)), run};
-  std::vector<int16_t> codes(k);
+  auto* codes = reinterpret_cast<int16_t*>(out.pairs.data());
   for (int64_t r = 0; r * run < k; ++r) {
     const int64_t begin = r * run, end = std::min(k, begin + run);
-    float amax = 0.0f;
-    for (int64_t i = begin; i < end; ++i) amax = std::max(amax, std::fabs(x[i]));
-    out.scale[r] = amax / 32767.0f;
-    const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-    for (int64_t i = begin; i < end; ++i) codes[i] = static_cast<int16_t>(std::nearbyint(x[i] * inv));
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t i = begin; i < end; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16x16(x + i)));
+    const float largest = _mm512_reduce_max_ps(amax);
+    out.scale[r] = largest / 32767.0f;
+    const __m512 inv = _mm512_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f);
+    for (int64_t i = begin; i < end; i += 16) {
+      const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16x16(x + i), inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), _mm512_cvtsepi32_epi16(rounded));
+    }
   }
-  std::memcpy(out.pairs.data(), codes.data(), k * sizeof(int16_t));
   return out;
 }
 
@@ -256,14 +266,12 @@ constexpr std::array<TileFn<kBits>, sizeof...(kRows)> tiles(std::integer_sequenc
 
 template <int kBits>
 void matmul(const uint16_t* x, const Weight& w, const Outliers& o, at::BFloat16* out, int64_t m) {
-  std::vector<float> xf(m * w.k);
-  load_row(reinterpret_cast<const at::BFloat16*>(x), 1.0f, xf.data(), m * w.k);
   const bool need_sums = kBits == 4 || w.zero != nullptr;
-  const std::vector<float> sums = need_sums ? group_sums(xf.data(), m, w.k, w.group) : std::vector<float>();
+  const std::vector<float> sums = need_sums ? group_sums(x, m, w.k, w.group) : std::vector<float>();
   const float* s = need_sums ? sums.data() : nullptr;
   const std::vector<uint32_t> xo = o.gather(x, m, w.k);
   if (m == 1) {
-    const Int16X xq = round_x(xf.data(), w.k, w.group);
+    const Int16X xq = round_x(x, w.k, w.group);
     at::parallel_for(0, w.n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
       for (int64_t nb = begin; nb < end; ++nb) gemv_block<kBits>(w, xq, s, o, xo.data(), nb, out);
     });
