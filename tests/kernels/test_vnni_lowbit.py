@@ -120,7 +120,8 @@ def test_bad_inputs_raise():
 @needs_vnni
 @pytest.mark.parametrize("name", SCHEMES)
 @pytest.mark.parametrize("rows", [1, 3, 7, 70])
-@pytest.mark.parametrize("cols", [[0, 17, 300, 575], [3, 40, 41]])  # an odd count: the last pair padded
+# an odd count: the last pair padded; 64 columns: more pairs than one row's runs of codes, several a run
+@pytest.mark.parametrize("cols", [[0, 17, 300, 575], [3, 40, 41], list(range(1, 576, 9))])
 def test_outlier_columns_are_added_in_full_precision(name, rows, cols):
     """Columns kept beside the codes (LLM.int8-style) come out as exact fp32 products, the rest as before."""
     g = torch.Generator().manual_seed(rows)
