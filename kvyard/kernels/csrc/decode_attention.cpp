@@ -60,10 +60,7 @@ struct Lanes {
   using V = __m512;
   static constexpr int kWidth = 16;
   // kWidth cached values -> floats: bf16 is the top half of a float; int8 is scaled by its (token, head) scale.
-  static V load(const uint16_t* p, float) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(p))), 16));
-  }
+  static V load(const uint16_t* p, float) { return load_bf16x16(p); }
   static V load(const int8_t* p, float scale) {
     const V x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     return _mm512_mul_ps(x, _mm512_set1_ps(scale));

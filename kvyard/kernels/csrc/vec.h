@@ -20,6 +20,14 @@ inline float bf16_to_float(uint16_t v) {
   return __builtin_bit_cast(float, static_cast<uint32_t>(v) << 16);
 }
 
+#ifdef __AVX512F__
+// 16 bf16 values widened to fp32, exactly (bf16 is a float's top half).
+inline __m512 load_bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
 // One cached K or V row as fp32; `scale` is the int8 cache's per-(token, head) scale, else unused.
 inline void load_row(const float* src, float, float* dst, int64_t d) {
   std::memcpy(dst, src, d * sizeof(float));

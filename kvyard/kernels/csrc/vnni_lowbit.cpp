@@ -62,11 +62,6 @@ constexpr bool kCompiled = true;
 constexpr int64_t kMaxRun = 128;  // x values per int16 scale
 constexpr int kTileRows = 6;      // rows of x per pass of the several-row loop: 4 x 6 + a few registers
 
-// 16 bf16 values widened to fp32 (exactly: the bits shifted into the high half)
-inline __m512 load_bf16x16(const uint16_t* x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
-}
-
 // sums[r][g] = the sum of x's row r over group g, for the zero terms and int4's offset (groups are multiples of 32
 // values: whole vectors).
 std::vector<float> group_sums(const uint16_t* x, int64_t m, int64_t k, int64_t group) {
@@ -89,19 +84,9 @@ inline __m512 offset_coef(const Weight& w, int64_t g, int64_t col, float offset)
   return w.zero != nullptr ? _mm512_add_ps(coef, _mm512_loadu_ps(w.zero + g * w.n + col)) : coef;
 }
 
-// acc (16 outputs from column `col`) + sum_j xo[j] * (kept column j's weights for those outputs), in fp32: a pair
-// of kept columns a VDPBF16PS (bf16 products are exact; one instruction for 32 weights, where widening each bf16
-// weight for an FMA took four for 16 and made 5 % of the columns cost int4-g128 layers ~15 %)
-inline __m512 add_outliers(const Outliers& o, __m512 acc, const uint32_t* xo, int64_t col) {
-  const uint16_t* w = o.weights + ((col / kBlockCols) * o.pairs * kBlockCols + col % kBlockCols) * 2;
-  for (int64_t j = 0; j < o.pairs; ++j)
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + j * 2 * kBlockCols),
-                           (__m512bh)_mm512_set1_epi32(static_cast<int>(xo[j])));
-  return acc;
-}
-
-// Block nb's kept pairs [j0, j1) added into both halves' sums of one row (y[0]: columns 0-15, y[1]: 16-31), a whole 128-byte
-// pair row at a time.
+// Block nb's kept pairs [j0, j1) added into one row's sums of its two halves (y[0]: columns 0-15, y[1]: 16-31), in fp32:
+// a pair of kept columns a VDPBF16PS per half (bf16 products are exact; one instruction for 32 weights, where widening
+// each bf16 weight for an FMA took four for 16 and made 5 % of the columns cost int4-g128 layers ~15 %).
 inline void add_outlier_pairs(const Outliers& o, __m512* y, const uint32_t* xo, int64_t nb, int64_t j0, int64_t j1) {
   const uint16_t* w = o.weights + nb * o.pairs * kBlockCols * 2;
   for (int64_t j = j0; j < j1; ++j) {
@@ -250,9 +235,10 @@ void tile(const Weight& w, const uint16_t* x, const float* sums, const Outliers&
       }
     }
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int h = 0; h < 2; ++h)
-      store16(add_outliers(o, y[r][h], xo + (m0 + r) * o.pairs, col + 16 * h), out + (m0 + r) * w.n + col + 16 * h);
+  for (int r = 0; r < kRows; ++r) {
+    add_outlier_pairs(o, y[r], xo + (m0 + r) * o.pairs, nb, 0, o.pairs);
+    for (int h = 0; h < 2; ++h) store16(y[r][h], out + (m0 + r) * w.n + col + 16 * h);
+  }
 }
 
 template <int kBits>
