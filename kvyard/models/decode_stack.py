@@ -41,7 +41,7 @@ def linear_spec(w: Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> Lin
         return (AMX if cpu_kernels.amx_available() else DPBF16), [w.blocks, None, None, bias, None, None], none
     if isinstance(w, PlainLowBitLinear):
         return LOW_BIT, [w.q, w.scale, w.zero, bias, None, None], [w.bits, w.group_size, w.out_features, w.k_pad]
-    if isinstance(w, VnniLowBitLinear) and dtype == torch.bfloat16:  # outlier columns only on the AVX-512 kernel
+    if isinstance(w, VnniLowBitLinear) and dtype == torch.bfloat16:
         kind = AMX_LOW_BIT if cpu_kernels.amx_available() else VNNI_LOW_BIT
         return kind, [w.q, w.scale, w.zero, bias, w.outlier_cols, w.outliers], [w.bits, w.group_size, w.out_features, 0]
     if isinstance(w, torch.Tensor) and w.layout == torch.strided and not w.is_mkldnn and w.dtype == dtype:

@@ -6,7 +6,6 @@ Those kernels are tuned for few rows, though; a prefill chunk of hundreds of row
 and runs several times faster by dequantizing the weight once and taking the dense GEMM.
 """
 
-import dataclasses
 import functools
 from typing import Protocol
 
@@ -214,11 +213,10 @@ class VnniLowBitLinear(_KvyardLowBit):
         self.scale = qt.scale.t().contiguous()
         zero = self._zero_term(qt)
         self.zero = None if zero is None else zero.t().contiguous()
-        # outlier columns (make_linear gives them only where the AVX-512 kernel runs; the AMX kernel's layers take
-        # them through OutlierColumns): indices and their weights in the model's bf16 (the dense model's own
-        # values), which the AVX-512 kernel adds itself, block by block, read in step with the codes (as [C, N] every block
-        # touched C far-apart lines, and SmolLM2's int8 layers with 5% kept ran 1.6x slower): in VNNI pairs,
-        # [N/32, ceil(C/2), 32, 2], an odd last column paired with zeros
+        # outlier columns: indices and their weights in the model's bf16 (the dense model's own values), which
+        # both kernels add themselves, block by block, in VNNI pairs [N/32, ceil(C/2), 32, 2] (an odd last column
+        # paired with zeros): as [C, N] every block touched C far-apart lines, and SmolLM2's int8 layers with 5 %
+        # kept ran 1.6x slower
         self.outlier_cols = qt.outlier_cols
         self.outliers = None if qt.outliers is None else (
             vnni.to_blocks(F.pad(qt.outliers.bfloat16(), (0, qt.outliers.shape[1] % 2))))
@@ -236,7 +234,8 @@ class VnniLowBitLinear(_KvyardLowBit):
         if x.dtype != torch.bfloat16 or (x.shape[0] > KERNEL_MAX_ROWS and amx):
             return dequantized_linear(self, x)
         if amx:
-            return torch.ops.kvyard.amx_linear_lowbit(x, self.q, self.scale, self.zero, self.bits, self.group_size)
+            return torch.ops.kvyard.amx_linear_lowbit(x, self.q, self.scale, self.zero, self.bits, self.group_size,
+                                                      self.outlier_cols, self.outliers)
         return torch.ops.kvyard.vnni_lowbit_linear(x, self.q, self.scale, self.zero, self.bits, self.group_size,
                                                    self.outlier_cols, self.outliers)
 
@@ -323,10 +322,8 @@ def make_linear(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -
     PyTorch's own."""
     inner: QuantizedLinear
     if VnniLowBitLinear.fits(qt, dtype, device):
-        if qt.outliers is None or not _on_amx():
-            return VnniLowBitLinear(qt)  # the AVX-512 kernel adds outlier columns itself
-        inner = VnniLowBitLinear(dataclasses.replace(qt, outlier_cols=None, outliers=None))
-    elif PlainLowBitLinear.fits(qt, dtype, device):
+        return VnniLowBitLinear(qt)  # both of its kernels add outlier columns themselves
+    if PlainLowBitLinear.fits(qt, dtype, device):
         inner = PlainLowBitLinear(qt)
     else:
         inner = Int8Linear(qt, dtype, device) if qt.scheme.bits == 8 else Int4Linear(qt, dtype, device)

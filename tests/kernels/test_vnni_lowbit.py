@@ -7,7 +7,6 @@ import torch
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.quant.qlinear import (
     KERNEL_MAX_ROWS,
-    OutlierColumns,
     PlainLowBitLinear,
     VnniLowBitLinear,
     make_linear,
@@ -24,6 +23,14 @@ needs_vnni = pytest.mark.skipif(not (AMX or cpu_kernels.vnni_lowbit_available())
 
 def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
+
+
+def _within_kernel_rounding(got: torch.Tensor, exact: torch.Tensor, ulps: int = 1) -> bool:
+    """The exact product rounded once to bf16 (fp32 sums add far less); past KERNEL_MAX_ROWS on AMX CPUs (a
+    prefill chunk) the weight is dequantized to bf16 for the dense GEMM, which costs up to ~1 % more."""
+    rows = exact.shape[0]
+    slack = 0.01 if AMX and rows > KERNEL_MAX_ROWS else 1e-4
+    return bool(((got.double() - exact).abs() <= ulps * _bf16_ulp(exact) + slack * exact.abs().max()).all())
 
 
 @needs_vnni
@@ -44,8 +51,7 @@ def test_rounds_the_exact_result_once(name, out, inp, rows):
     exact = x.double() @ qt.dequantize().double().T
     got = lin(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
-    err = (got.double() - exact).abs()
-    assert (err <= _bf16_ulp(exact) + 1e-4 * exact.abs().max()).all(), err.max()
+    assert _within_kernel_rounding(got, exact, ulps=2 if AMX and rows > KERNEL_MAX_ROWS else 1)
 
 
 @pytest.mark.skipif(AMX or not cpu_kernels.vnni_lowbit_available(), reason="the AVX-512 kernel's one-row path")
@@ -119,7 +125,7 @@ def test_bad_inputs_raise():
 
 @needs_vnni
 @pytest.mark.parametrize("name", SCHEMES)
-@pytest.mark.parametrize("rows", [1, 3, 7, 70])
+@pytest.mark.parametrize("rows", [1, 3, 7, 20, 70])  # AMX: vector loops (1-4), tiles (7, 20), dequantized (70)
 # an odd count: the last pair padded; 64 columns: more pairs than one row's runs of codes, several a run
 @pytest.mark.parametrize("cols", [[0, 17, 300, 575], [3, 40, 41], list(range(1, 576, 9))])
 def test_outlier_columns_are_added_in_full_precision(name, rows, cols):
@@ -128,14 +134,12 @@ def test_outlier_columns_are_added_in_full_precision(name, rows, cols):
     w = torch.randn(96, 576, generator=g)
     qt = QuantizedTensor.quantize(w, parse_weight_scheme(name), torch.tensor(cols))
     lin = make_linear(qt, torch.bfloat16, CPU)
-    # the AVX-512 kernel adds them itself, from bf16 (the bf16 model's own values); beside the AMX kernel they are
-    # an fp32 matmul (OutlierColumns)
-    assert isinstance(lin, OutlierColumns if AMX else VnniLowBitLinear) and lin.nbytes > VnniLowBitLinear(
+    # both kernels (AMX and AVX-512) add them themselves, from bf16 (the bf16 model's own values)
+    assert isinstance(lin, VnniLowBitLinear) and lin.nbytes > VnniLowBitLinear(
         QuantizedTensor(qt.scheme, qt.q, qt.scale, qt.zero_point)).nbytes
     x = torch.randn(rows, 576, generator=g).bfloat16()
     served = qt.dequantize()  # the kept columns as the layer holds them
-    served[:, qt.outlier_cols] = qt.outliers if AMX else qt.outliers.bfloat16().float()
+    served[:, qt.outlier_cols] = qt.outliers.bfloat16().float()
     exact = x.double() @ served.double().T
-    bound = 2 * _bf16_ulp(exact) + 1e-4 * exact.abs().max()
-    assert ((lin(x).double() - exact).abs() <= bound).all()
+    assert _within_kernel_rounding(lin(x), exact, ulps=2)
     assert torch.allclose(lin.dequantize(torch.float32), served, atol=1e-6)

@@ -6,7 +6,8 @@
 // and group) and zero points are applied to each group's fp32 sum. The result is the fp32 sum of
 // x * (q - zp) * scale with no rounded weight in between, which is what PyTorch's own int8/int4 CPU
 // kernels compute. A batch-1 step (int8: up to 4 rows) skips the tiles for AVX-512 dot products on the
-// same bytes (lowbit_gemv, below).
+// same bytes (lowbit_gemv, below). Outlier columns (vnni_blocks.h's Outliers) are added to each block's fp32 sums
+// before they are rounded, as the AVX-512 kernel adds them.
 //
 // Layouts (built by kvyard/quant/qlinear.py): int8 q in amx.h's VNNI blocks, [N/32, K/2, 32, 2] int8;
 // int4 q + 8 in the same order, two per byte, [N/32, K/2, 32] uint8: byte i of a 64-value VNNI row holds
@@ -28,6 +29,7 @@ using namespace kvyard::amx;
 constexpr int64_t kWidenBlocks = 8;  // k blocks widened per pass: 16 KB of bf16, which stays in L1
 
 using vnni::num_groups;
+using vnni::Outliers;
 
 #ifdef KVYARD_HAS_AMX
 
@@ -99,9 +101,21 @@ struct LowBitWeight {
   int64_t group;
 };
 
+// One row's fp32 sums of block nb (32 columns at y) plus the block's kept columns, rounded to bf16 at out.
+inline void store_block_row(const float* y, const Outliers& o, const uint32_t* xo, int64_t nb, uint16_t* out) {
+  __m512 v[2] = {_mm512_loadu_ps(y), _mm512_loadu_ps(y + 16)};
+  add_outlier_pairs(o, v, xo, nb, 0, o.pairs);
+  for (int h = 0; h < 2; ++h) {
+    alignas(64) float tmp[16];
+    _mm512_store_ps(tmp, v[h]);
+    store_row(tmp, 1.0f, reinterpret_cast<at::BFloat16*>(out + 16 * h), 16);
+  }
+}
+
 template <int kBits, bool kTwoRowBlocks>
-void block_rows(const uint16_t* x, const LowBitWeight& w, const std::vector<float>& sums, int64_t nb, int64_t m0, int64_t rows,
-                int64_t n, int64_t k, uint16_t* wide, float* c, float* acc, uint16_t* out) {
+void block_rows(const uint16_t* x, const LowBitWeight& w, const std::vector<float>& sums, const Outliers& o,
+                const uint32_t* xo, int64_t nb, int64_t m0, int64_t rows, int64_t n, int64_t k, uint16_t* wide, float* c,
+                float* acc, uint16_t* out) {
   const int64_t groups = num_groups(k, w.group), group_blocks = w.group / kTileK, k_blocks = k / kTileK;
   const int64_t kb_bytes = kBTileElems * kBits / 8;
   const uint8_t* b = w.q + nb * k_blocks * kb_bytes;
@@ -131,15 +145,15 @@ void block_rows(const uint16_t* x, const LowBitWeight& w, const std::vector<floa
       for (int64_t j = 0; j < kBlockCols; ++j) ar[j] += cr[j] * scale[j] + sum_coef[j] * sum;
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    store_row(acc + r * kBlockCols, 1.0f, reinterpret_cast<at::BFloat16*>(out + (m0 + r) * n + n0), kBlockCols);
-  }
+  for (int64_t r = 0; r < rows; ++r) store_block_row(acc + r * kBlockCols, o, xo + (m0 + r) * o.pairs, nb, out + (m0 + r) * n + n0);
 }
 
 // Each thread takes a share of the 32-column blocks and reads its part of the weight once per 32 rows.
 template <int kBits>
-void lowbit_matmul(const uint16_t* x, const LowBitWeight& w, uint16_t* out, int64_t m, int64_t n, int64_t k) {
+void lowbit_matmul(const uint16_t* x, const LowBitWeight& w, const Outliers& o, uint16_t* out, int64_t m, int64_t n,
+                   int64_t k) {
   const std::vector<float> sums = w.zero != nullptr || kBits == 4 ? group_sums(x, m, k, w.group) : std::vector<float>();
+  const std::vector<uint32_t> xo = o.gather(x, m, k);
   at::parallel_for(0, n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
     alignas(64) uint16_t wide[kWidenBlocks * kBTileElems];  // 16 KB
     alignas(64) float c[2 * kTileRows * kBlockCols];
@@ -150,9 +164,9 @@ void lowbit_matmul(const uint16_t* x, const LowBitWeight& w, uint16_t* out, int6
         const int64_t rows = std::min<int64_t>(2 * kTileRows, m - m0);
         configure_for(rows, configured_rows);
         if (rows > kTileRows) {
-          block_rows<kBits, true>(x, w, sums, nb, m0, rows, n, k, wide, c, acc, out);
+          block_rows<kBits, true>(x, w, sums, o, xo.data(), nb, m0, rows, n, k, wide, c, acc, out);
         } else {
-          block_rows<kBits, false>(x, w, sums, nb, m0, rows, n, k, wide, c, acc, out);
+          block_rows<kBits, false>(x, w, sums, o, xo.data(), nb, m0, rows, n, k, wide, c, acc, out);
         }
       }
     }
@@ -178,8 +192,8 @@ inline void store16(__m512 v, uint16_t* out) {
 
 // int4, one row: each VNNI row widened in registers (int4_row_to_bf16); one VDPBF16PS per half adds
 // x * (q + 136) over the pair, and the offset comes back through the group sums.
-void gemv4_block(const uint16_t* x, const LowBitWeight& w, const float* sums, int64_t nb, int64_t n, int64_t k,
-                 uint16_t* out) {
+void gemv4_block(const uint16_t* x, const LowBitWeight& w, const float* sums, const Outliers& o, const uint32_t* xo,
+                 int64_t nb, int64_t n, int64_t k, uint16_t* out) {
   const int64_t groups = num_groups(k, w.group), pairs = k / 2, n0 = nb * kBlockCols;
   const uint8_t* b = w.q + nb * pairs * kBlockCols;
   __m512 y[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -207,14 +221,15 @@ void gemv4_block(const uint16_t* x, const LowBitWeight& w, const float* sums, in
       y[h] = _mm512_fmadd_ps(dot, scale, _mm512_fmadd_ps(coef, _mm512_set1_ps(sums[g]), y[h]));
     }
   }
+  add_outlier_pairs(o, y, xo, nb, 0, o.pairs);
   for (int h = 0; h < 2; ++h) store16(y[h], out + n0 + 16 * h);
 }
 
 // int8, M rows: each 16 bytes of a VNNI row (8 columns x a pair of k) to fp32, and one FMA per row of x
 // against its pair (x[2p], x[2p + 1]) broadcast; lanes 2c and 2c + 1 are added at the end.
 template <int M>
-void gemv8_block(const float* xf, const LowBitWeight& w, const float* sums, int64_t nb, int64_t n, int64_t k,
-                 uint16_t* out) {
+void gemv8_block(const float* xf, const LowBitWeight& w, const float* sums, const Outliers& o, const uint32_t* xo,
+                 int64_t nb, int64_t n, int64_t k, uint16_t* out) {
   const int64_t groups = num_groups(k, w.group), pairs = k / 2, n0 = nb * kBlockCols;
   const int8_t* b = reinterpret_cast<const int8_t*>(w.q) + nb * pairs * 2 * kBlockCols;
   const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
@@ -249,34 +264,39 @@ void gemv8_block(const float* xf, const LowBitWeight& w, const float* sums, int6
       }
     }
   }
-  for (int r = 0; r < M; ++r)
+  for (int r = 0; r < M; ++r) {
+    add_outlier_pairs(o, y[r], xo + r * o.pairs, nb, 0, o.pairs);
     for (int h = 0; h < 2; ++h) store16(y[r][h], out + r * n + n0 + 16 * h);
+  }
 }
 
 template <int M>
-void gemv8(const float* xf, const LowBitWeight& w, const float* sums, int64_t n, int64_t k, uint16_t* out) {
+void gemv8(const float* xf, const LowBitWeight& w, const float* sums, const Outliers& o, const uint32_t* xo, int64_t n,
+           int64_t k, uint16_t* out) {
   at::parallel_for(0, n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb) gemv8_block<M>(xf, w, sums, nb, n, k, out);
+    for (int64_t nb = begin; nb < end; ++nb) gemv8_block<M>(xf, w, sums, o, xo, nb, n, k, out);
   });
 }
 
 // m <= gemv_max_rows(kBits) rows; each thread takes a share of the 32-column blocks, as on the tiles.
 template <int kBits>
-void lowbit_gemv(const uint16_t* x, const LowBitWeight& w, uint16_t* out, int64_t m, int64_t n, int64_t k) {
+void lowbit_gemv(const uint16_t* x, const LowBitWeight& w, const Outliers& o, uint16_t* out, int64_t m, int64_t n,
+                 int64_t k) {
   const std::vector<float> sums = w.zero != nullptr || kBits == 4 ? group_sums(x, m, k, w.group) : std::vector<float>();
   const float* s = sums.empty() ? nullptr : sums.data();
+  const std::vector<uint32_t> xo = o.gather(x, m, k);
   if constexpr (kBits == 4) {
     at::parallel_for(0, n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t nb = begin; nb < end; ++nb) gemv4_block(x, w, s, nb, n, k, out);
+      for (int64_t nb = begin; nb < end; ++nb) gemv4_block(x, w, s, o, xo.data(), nb, n, k, out);
     });
   } else {
     std::vector<float> xf(m * k);  // fp32 pairs broadcast straight from memory
     for (int64_t i = 0; i < m * k; ++i) xf[i] = bf16_to_float(x[i]);
     switch (m) {
-      case 1: gemv8<1>(xf.data(), w, s, n, k, out); break;
-      case 2: gemv8<2>(xf.data(), w, s, n, k, out); break;
-      case 3: gemv8<3>(xf.data(), w, s, n, k, out); break;
-      default: gemv8<4>(xf.data(), w, s, n, k, out); break;
+      case 1: gemv8<1>(xf.data(), w, s, o, xo.data(), n, k, out); break;
+      case 2: gemv8<2>(xf.data(), w, s, o, xo.data(), n, k, out); break;
+      case 3: gemv8<3>(xf.data(), w, s, o, xo.data(), n, k, out); break;
+      default: gemv8<4>(xf.data(), w, s, o, xo.data(), n, k, out); break;
     }
   }
 }
@@ -288,14 +308,19 @@ void lowbit_gemv(const uint16_t* x, const LowBitWeight& w, uint16_t* out, int64_
 namespace kvyard::ops {
 
 at::Tensor amx_linear_lowbit(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                             const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size) {
+                             const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size,
+                             const std::optional<at::Tensor>& outlier_cols, const std::optional<at::Tensor>& outliers) {
+  const Outliers o = vnni::outliers_of(q, outlier_cols, outliers);
   return vnni::lowbit_blocks_linear(x, q, scale, zero, bits, group_size,
-                                    [](const uint16_t* xp, const vnni::LowBitBlocks& b, uint16_t* op, int64_t m) {
+                                    [&o](const uint16_t* xp, const vnni::LowBitBlocks& b, uint16_t* op, int64_t m) {
 #ifdef KVYARD_HAS_AMX
     TORCH_CHECK(amx_ready(), "AMX is not available on this CPU or was refused by the OS");
     const LowBitWeight w{b.q, b.scale, b.zero, b.group};
-    if (m <= gemv_max_rows(b.bits)) b.bits == 8 ? lowbit_gemv<8>(xp, w, op, m, b.n, b.k) : lowbit_gemv<4>(xp, w, op, m, b.n, b.k);
-    else b.bits == 8 ? lowbit_matmul<8>(xp, w, op, m, b.n, b.k) : lowbit_matmul<4>(xp, w, op, m, b.n, b.k);
+    if (m <= gemv_max_rows(b.bits)) {
+      b.bits == 8 ? lowbit_gemv<8>(xp, w, o, op, m, b.n, b.k) : lowbit_gemv<4>(xp, w, o, op, m, b.n, b.k);
+    } else {
+      b.bits == 8 ? lowbit_matmul<8>(xp, w, o, op, m, b.n, b.k) : lowbit_matmul<4>(xp, w, o, op, m, b.n, b.k);
+    }
 #else
     TORCH_CHECK(false, "kvyard was compiled for a CPU without AMX");
 #endif
@@ -305,7 +330,8 @@ at::Tensor amx_linear_lowbit(const at::Tensor& x, const at::Tensor& q, const at:
 }  // namespace kvyard::ops
 
 TORCH_LIBRARY_FRAGMENT(kvyard, m) {
-  m.def("amx_linear_lowbit(Tensor x, Tensor q, Tensor scale, Tensor? zero, int bits, int group_size) -> Tensor");
+  m.def("amx_linear_lowbit(Tensor x, Tensor q, Tensor scale, Tensor? zero, int bits, int group_size, "
+        "Tensor? outlier_cols=None, Tensor? outliers=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("amx_linear_lowbit", &kvyard::ops::amx_linear_lowbit); }

@@ -28,7 +28,7 @@ enum Kind : int64_t { kDpbf16 = 0, kAmx = 1, kLowBit = 2, kAmxLowBit = 3, kLinea
 struct Linear {
   Kind kind;
   at::Tensor w;  // VNNI blocks, low-bit codes, or the dense matrix
-  OptTensor scale, zero, bias, outlier_cols, outliers;  // outliers: low-bit on the AVX-512 kernel only
+  OptTensor scale, zero, bias, outlier_cols, outliers;  // outliers: the low-bit kernels over VNNI blocks only
   int64_t bits = 0, group = 0, out_features = 0, k_pad = 0;
 
   // linear(x, weight, bias) of kvyard/models/linear.py for a few rows: the weight's own kernel, and the bias
@@ -44,7 +44,7 @@ struct Linear {
         y = ops::lowbit_linear(padded.contiguous(), w, *scale, zero, bits, group, out_features);
         break;
       }
-      case kAmxLowBit: y = ops::amx_linear_lowbit(x, w, *scale, zero, bits, group); break;
+      case kAmxLowBit: y = ops::amx_linear_lowbit(x, w, *scale, zero, bits, group, outlier_cols, outliers); break;
       case kVnniLowBit: y = ops::vnni_lowbit_linear(x, w, *scale, zero, bits, group, outlier_cols, outliers); break;
       case kLinearBf16: y = ops::linear_bf16(x.contiguous(), w); break;
       default: TORCH_CHECK(false, "unknown linear kind ", static_cast<int64_t>(kind));

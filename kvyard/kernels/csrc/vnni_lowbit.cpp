@@ -34,25 +34,8 @@ namespace {
 using namespace kvyard;
 using vnni::kBlockCols;
 using vnni::num_groups;
+using vnni::Outliers;
 using Weight = vnni::LowBitBlocks;
-
-// Input columns kept in full precision beside the codes (zero there): y += x[:, cols] . outliers.
-struct Outliers {
-  const int64_t* cols = nullptr;
-  // bf16 [N/32, P, 32, 2], P = ceil(C / 2): the kept columns in pairs, as the dense VNNI blocks hold a weight (the
-  // last pair padded with zero), block by block, read in step with the block's codes
-  const uint16_t* weights = nullptr;
-  int64_t count = 0, pairs = 0;
-
-  // x's values at the kept columns as bf16 pairs, [rows, P]: the broadcast operand of VDPBF16PS.
-  std::vector<uint32_t> gather(const uint16_t* x, int64_t m, int64_t k) const {
-    std::vector<uint32_t> xo(m * pairs, 0);
-    auto* halves = reinterpret_cast<uint16_t*>(xo.data());
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t j = 0; j < count; ++j) halves[r * 2 * pairs + j] = x[r * k + cols[j]];
-    return xo;
-  }
-};
 
 int64_t row_bytes(const Weight& w) { return kBlockCols * 2 * w.bits / 8; }  // one VNNI row: a pair of k, 32 columns
 const uint8_t* block(const Weight& w, int64_t nb) { return w.q + nb * (w.k / 2) * row_bytes(w); }
@@ -82,18 +65,6 @@ std::vector<float> group_sums(const uint16_t* x, int64_t m, int64_t k, int64_t g
 inline __m512 offset_coef(const Weight& w, int64_t g, int64_t col, float offset) {
   __m512 coef = _mm512_mul_ps(_mm512_loadu_ps(w.scale + g * w.n + col), _mm512_set1_ps(-offset));
   return w.zero != nullptr ? _mm512_add_ps(coef, _mm512_loadu_ps(w.zero + g * w.n + col)) : coef;
-}
-
-// Block nb's kept pairs [j0, j1) added into one row's sums of its two halves (y[0]: columns 0-15, y[1]: 16-31), in fp32:
-// a pair of kept columns a VDPBF16PS per half (bf16 products are exact; one instruction for 32 weights, where widening
-// each bf16 weight for an FMA took four for 16 and made 5 % of the columns cost int4-g128 layers ~15 %).
-inline void add_outlier_pairs(const Outliers& o, __m512* y, const uint32_t* xo, int64_t nb, int64_t j0, int64_t j1) {
-  const uint16_t* w = o.weights + nb * o.pairs * kBlockCols * 2;
-  for (int64_t j = j0; j < j1; ++j) {
-    const __m512bh xj = (__m512bh)_mm512_set1_epi32(static_cast<int>(xo[j]));
-    y[0] = _mm512_dpbf16_ps(y[0], (__m512bh)_mm512_loadu_si512(w + j * 2 * kBlockCols), xj);
-    y[1] = _mm512_dpbf16_ps(y[1], (__m512bh)_mm512_loadu_si512(w + j * 2 * kBlockCols + kBlockCols), xj);
-  }
 }
 
 inline void store16(__m512 v, at::BFloat16* out) {
@@ -290,19 +261,7 @@ namespace kvyard::ops {
 at::Tensor vnni_lowbit_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                               const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size,
                               const std::optional<at::Tensor>& outlier_cols, const std::optional<at::Tensor>& outliers) {
-  Outliers o;
-  TORCH_CHECK(outlier_cols.has_value() == outliers.has_value(), "outlier_cols and outliers come together");
-  if (outlier_cols) {
-    const int64_t n = q.size(0) * kBlockCols, k = q.size(1) * 2, c = outlier_cols->numel();
-    TORCH_CHECK(outlier_cols->scalar_type() == at::kLong && outlier_cols->dim() == 1 && outlier_cols->is_contiguous(),
-                "outlier_cols must be a contiguous int64 [C] vector");
-    TORCH_CHECK(outliers->scalar_type() == at::kBFloat16 && outliers->is_contiguous() &&
-                    outliers->sizes() == at::IntArrayRef({n / kBlockCols, (c + 1) / 2, kBlockCols, 2}),
-                "outliers must be contiguous bf16 [out/32, ceil(C/2), 32, 2]");
-    const int64_t* cols = outlier_cols->data_ptr<int64_t>();
-    TORCH_CHECK(std::all_of(cols, cols + c, [k](int64_t j) { return j >= 0 && j < k; }), "outlier column out of range");
-    o = Outliers{cols, reinterpret_cast<const uint16_t*>(outliers->data_ptr()), c, (c + 1) / 2};
-  }
+  const Outliers o = vnni::outliers_of(q, outlier_cols, outliers);
   return vnni::lowbit_blocks_linear(x, q, scale, zero, bits, group_size,
                                     [&o](const uint16_t* xp, const Weight& w, uint16_t* op, int64_t m) {
     auto* out = reinterpret_cast<at::BFloat16*>(op);
