@@ -101,15 +101,18 @@ struct LowBitWeight {
   int64_t group;
 };
 
+// 16 fp32 lanes -> 16 bf16 outputs, rounded as store_row rounds (every path's epilogue).
+inline void store16(__m512 v, uint16_t* out) {
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  store_row(tmp, 1.0f, reinterpret_cast<at::BFloat16*>(out), 16);
+}
+
 // One row's fp32 sums of block nb (32 columns at y) plus the block's kept columns, rounded to bf16 at out.
 inline void store_block_row(const float* y, const Outliers& o, const uint32_t* xo, int64_t nb, uint16_t* out) {
   __m512 v[2] = {_mm512_loadu_ps(y), _mm512_loadu_ps(y + 16)};
   add_outlier_pairs(o, v, xo, nb, 0, o.pairs);
-  for (int h = 0; h < 2; ++h) {
-    alignas(64) float tmp[16];
-    _mm512_store_ps(tmp, v[h]);
-    store_row(tmp, 1.0f, reinterpret_cast<at::BFloat16*>(out + 16 * h), 16);
-  }
+  for (int h = 0; h < 2; ++h) store16(v[h], out + 16 * h);
 }
 
 template <int kBits, bool kTwoRowBlocks>
@@ -182,13 +185,6 @@ void lowbit_matmul(const uint16_t* x, const LowBitWeight& w, const Outliers& o, 
 // (SmolLM2's 120 layer matmuls, alternating: int8 6.1 / 6.6 / 7.5 ms at 1 / 2 / 4 rows against ~10 ms on
 // the tiles; int4 3.6 against 4.1 ms at one row, but 4.9 against 4.1 at two).
 constexpr int64_t gemv_max_rows(int bits) { return bits == 8 ? 4 : 1; }
-
-// 16 fp32 lanes -> 16 bf16 outputs, rounded as the tile path rounds.
-inline void store16(__m512 v, uint16_t* out) {
-  alignas(64) float tmp[16];
-  _mm512_store_ps(tmp, v);
-  store_row(tmp, 1.0f, reinterpret_cast<at::BFloat16*>(out), 16);
-}
 
 // int4, one row: each VNNI row widened in registers (int4_row_to_bf16); one VDPBF16PS per half adds
 // x * (q + 136) over the pair, and the offset comes back through the group sums.
