@@ -16,6 +16,9 @@ usage: python tools/gemm_stream.py            bf16: oneDNN's packed GEMM against
        python tools/gemm_stream.py --pages    the layer matmuls at 1 row, bf16, int8 and int4-g128 as the
                                               model holds them, on 4 KB pages against moved onto huge pages
        --qwen                                 Qwen2.5-0.5B's layer shapes (24 layers) instead of SmolLM2's
+       --kept                                 the low-bit forms keep 5 % of their input columns (outlier columns)
+       --flush                                read a 600 MB buffer before each pass, so that every pass starts
+                                              with none of its weights in cache (as a model stepped in turn does)
 """
 import statistics
 import sys
@@ -56,16 +59,21 @@ def bf16_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
     return forms
 
 
+KEPT = 0.05 if "--kept" in sys.argv else 0.0  # share of input columns kept beside the codes
+
+
 def quantized(d: torch.Tensor, scheme: str) -> QuantizedTensor:
-    return QuantizedTensor.quantize(d, parse_weight_scheme(scheme))
+    cols = torch.randperm(d.shape[1], generator=torch.Generator().manual_seed(d.shape[1]))[: int(KEPT * d.shape[1])]
+    return QuantizedTensor.quantize(d, parse_weight_scheme(scheme), cols if KEPT else None)
 
 
 def lowbit_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
     forms: dict[str, list[Matmul]] = {"bf16": [model_form(d) for d in dense]}
-    forms["int8 torch"] = [Int8Linear(quantized(d, "int8"), torch.bfloat16, torch.device("cpu")) for d in dense]
-    forms["int4-g128 torch"] = [Int4Linear(quantized(d, "int4-g128"), torch.bfloat16, torch.device("cpu"))
-                                for d in dense]
-    if cpu_kernels.available():
+    if not KEPT:  # PyTorch's and the portable kernels leave kept columns to a matmul beside them
+        forms["int8 torch"] = [Int8Linear(quantized(d, "int8"), torch.bfloat16, torch.device("cpu")) for d in dense]
+        forms["int4-g128 torch"] = [Int4Linear(quantized(d, "int4-g128"), torch.bfloat16, torch.device("cpu"))
+                                    for d in dense]
+    if cpu_kernels.available() and not KEPT:
         forms["int8 plain"] = [PlainLowBitLinear(quantized(d, "int8")) for d in dense]
         forms["int4-g128 plain"] = [PlainLowBitLinear(quantized(d, "int4-g128")) for d in dense]
     if cpu_kernels.amx_available() or cpu_kernels.vnni_lowbit_available():
@@ -115,8 +123,11 @@ def main() -> None:
     for rows in row_counts:
         xs = {i: torch.randn(rows, i, dtype=torch.bfloat16) for i in {i for _, i in layer}}
         times: dict[str, list[float]] = {name: [] for name in forms}
+        flush = torch.ones(150_000_000) if "--flush" in sys.argv else None
         for _ in range(7):
             for name, matmuls in forms.items():
+                if flush is not None:
+                    flush.sum()
                 start = time.perf_counter()
                 for f, d in zip(matmuls, dense, strict=True):
                     f(xs[d.shape[1]])
