@@ -14,7 +14,7 @@ reaches the group's first column, from the weights as the earlier columns' error
 
 import torch
 
-from kvyard.quant.qtensor import QuantizedTensor, _quantize_groups
+from kvyard.quant.qtensor import QuantizedTensor, _quantize_groups, zero_point_as_stored
 from kvyard.quant.scheme import WeightScheme
 
 BLOCK = 128  # columns per lazy update; a multiple of every int4 group size (32, 64, 128)
@@ -42,6 +42,8 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
 
 def _round(w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, scheme: WeightScheme) -> torch.Tensor:
     """One column [n] -> its integer values [n] (as float), with the column's scale and zero point."""
+    if scheme.float_zero:  # a float zero point: round after the offset, as QuantizedTensor.quantize does
+        return torch.round(w / scale + zp).clamp(scheme.qmin, scheme.qmax)
     q = torch.round(w / scale)
     if zp is not None:
         q = q + zp
@@ -93,4 +95,4 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, scheme: WeightScheme,
     if scheme.group_size is None:
         scales[:, 0] = scale
     return QuantizedTensor(scheme, q.to(torch.int8).contiguous(), scales,
-                           None if zps is None else zps.to(torch.int8))
+                           None if zps is None else zero_point_as_stored(zps, scheme))

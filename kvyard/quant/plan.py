@@ -92,8 +92,8 @@ def add_tied_head(tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
 
 def _scheme_args(s: WeightScheme) -> dict[str, Any]:
     strategy = "channel" if s.group_size is None else "group"
-    return {"num_bits": s.bits, "type": "int", "symmetric": s.symmetric, "strategy": strategy,
-            "group_size": s.group_size}
+    args = {"num_bits": s.bits, "type": "int", "symmetric": s.symmetric, "strategy": strategy, "group_size": s.group_size}
+    return {**args, "zp_dtype": "float32"} if s.float_zero else args
 
 
 def plan_to_config(plan: Plan, all_linear: Iterable[str]) -> dict[str, Any]:
@@ -121,7 +121,10 @@ def _parse_args(args: dict[str, Any], where: str) -> WeightScheme:
         raise CheckpointError(f"{where}: int8 must be symmetric per channel, got {args}")
     if bits == 4 and group is None:
         raise CheckpointError(f"{where}: int4 needs a group_size, got {args}")
-    return WeightScheme(bits=bits, group_size=group, symmetric=sym)
+    float_zero = args.get("zp_dtype") in ("float32", "float")
+    if float_zero and sym:
+        raise CheckpointError(f"{where}: a float zero point needs symmetric: false, got {args}")
+    return WeightScheme(bits=bits, group_size=group, symmetric=sym, float_zero=float_zero)
 
 
 def plan_from_config(qcfg: dict[str, Any], all_linear: list[str], where: str) -> Plan:

@@ -3,7 +3,7 @@
 This is the form kvyard quantizes into, fuses (q|k|v, gate|up) and saves. The layout on disk follows
 compressed-tensors: int8 weights are stored as `weight` (int8) with `weight_scale` [N, 1]; int4 weights
 as `weight_packed` (eight 4-bit values per int32 along K, offset by 8), `weight_scale` [N, groups],
-`weight_zero_point` [N, groups] when asymmetric, and `weight_shape`. Kernel-ready forms are built from
+`weight_zero_point` [N, groups] when asymmetric (float32 for `-min` schemes, int8 otherwise), and `weight_shape`. Kernel-ready forms are built from
 it by kvyard.quant.qlinear.
 
 Outlier columns (`kvyard quantize --outlier-columns`, as LLM.int8() keeps outlier features in 16 bits): a
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvyard.errors import CheckpointError
+from kvyard.errors import CheckpointError, ConfigError
 from kvyard.quant.scheme import WeightScheme
 
 
@@ -25,7 +25,7 @@ class QuantizedTensor:
     scheme: WeightScheme
     q: torch.Tensor  # int8 [N, K], values in [scheme.qmin, scheme.qmax]
     scale: torch.Tensor  # float32 [N, groups]; groups = 1 per channel, else ceil(K / group_size)
-    zero_point: torch.Tensor | None = None  # int8 [N, groups], asymmetric only: w = (q - zp) * scale
+    zero_point: torch.Tensor | None = None  # [N, groups], asymmetric only: w = (q - zp) * scale; int8, float32 for -min
     outlier_cols: torch.Tensor | None = None  # int64 [C], ascending: input columns kept in full precision
     outliers: torch.Tensor | None = None  # float32 [N, C]: their weights (the codes there dequantize to 0)
 
@@ -44,6 +44,9 @@ class QuantizedTensor:
         tried and measured: lower weight error, but higher KL on the GGUF models this runs on.
         `outlier_cols` are kept as they are and left out of the rounding (and of its scales)."""
         if outlier_cols is not None and outlier_cols.numel():
+            if scheme.float_zero:  # the codes at kept columns must dequantize to exactly 0, which a -min grid lacks
+                raise ConfigError(f"{scheme.name} keeps no outlier columns: its grid need not hold 0; use -asym",
+                                  param="outlier_columns")
             cols = outlier_cols.to(torch.int64).sort().values
             rest = w.float().clone()
             rest[:, cols] = 0.0
@@ -57,7 +60,7 @@ class QuantizedTensor:
         wg = torch.nn.functional.pad(w.float(), (0, groups * group - k)).view(n, groups, group)
         q, scale, zp = _quantize_groups(wg, scheme)
         q = q.to(torch.int8).view(n, groups * group)[:, :k]
-        return cls(scheme, q.contiguous(), scale.float(), None if zp is None else zp.to(torch.int8))
+        return cls(scheme, q.contiguous(), scale.float(), None if zp is None else zero_point_as_stored(zp, scheme))
 
     def _per_column(self, t: torch.Tensor) -> torch.Tensor:
         """Expand a [N, groups] tensor to [N, K]."""
@@ -148,13 +151,23 @@ class QuantizedTensor:
                                       or not bool(((cols >= 0) & (cols < q.shape[1])).all()))):
             raise CheckpointError(f"{source}: {prefix}weight_outlier_columns and {prefix}weight_outliers must come "
                                   f"together, as [C] column indices below {q.shape[1]} and [{q.shape[0]}, C] weights")
-        return cls(scheme, q, scale, None if zp is None else zp.to(torch.int8),
+        return cls(scheme, q, scale, None if zp is None else zero_point_as_stored(zp, scheme),
                    None if cols is None else cols.to(torch.int64).contiguous(),
                    None if outliers is None else outliers.float().contiguous())
 
 
+def zero_point_as_stored(zp: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
+    return zp.float() if scheme.float_zero else zp.to(torch.int8)
+
+
 def _quantize_groups(wg: torch.Tensor, scheme: WeightScheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """wg [n, groups, group] -> q (float, integral values), scale [n, groups], zero point or None."""
+    if scheme.float_zero:  # the group's own range, its minimum the offset: w = (q - qmin) * scale + lo
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        scale = (hi - lo) / (scheme.qmax - scheme.qmin)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = (torch.round((wg - lo.unsqueeze(-1)) / scale.unsqueeze(-1)) + scheme.qmin).clamp(scheme.qmin, scheme.qmax)
+        return q, scale, scheme.qmin - lo / scale
     if scheme.symmetric:
         half_range = (scheme.qmax - scheme.qmin) / 2 if scheme.bits == 4 else scheme.qmax
         scale = wg.abs().amax(-1) / half_range

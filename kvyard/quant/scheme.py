@@ -1,4 +1,4 @@
-"""Quantization schemes by name: `int8`, `int4-g128`, `int4-g64-asym`, and `mixed`."""
+"""Quantization schemes by name: `int8`, `int4-g128`, `int4-g64-asym`, `int4-g32-min`, and `mixed`."""
 
 import re
 from dataclasses import dataclass
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from kvyard.errors import ConfigError
 
 INT4_GROUP_SIZES = (32, 64, 128)
-SCHEME_HELP = "int8, int4-g32|g64|g128 (add -asym for a zero point), or mixed"
+SCHEME_HELP = "int8, int4-g32|g64|g128 (add -asym for an integer zero point, -min for a float one), or mixed"
 # How weights are rounded to the grid: round to nearest, or GPTQ (kvyard.quant.gptq), which moves each
 # column's error onto later columns using the calibration inputs. Round to nearest stays the default: with
 # the built-in calibration text (~1.5k tokens), GPTQ's KL on held-out text on SmolLM2-135M and
@@ -23,12 +23,15 @@ class WeightScheme:
     bits: int
     group_size: int | None = None  # None: one scale per output channel
     symmetric: bool = True
+    # Asymmetric with a float zero point: each group's own minimum is its offset, as GGUF's Q4_1 and Q4_K store
+    # it, so a weight already on such a grid (a 4-bit GGUF source, same group size) comes back exactly.
+    float_zero: bool = False
 
     @property
     def name(self) -> str:
         if self.bits == 8:
             return "int8"
-        return f"int4-g{self.group_size}" + ("" if self.symmetric else "-asym")
+        return f"int4-g{self.group_size}" + ("" if self.symmetric else "-min" if self.float_zero else "-asym")
 
     @property
     def qmin(self) -> int:
@@ -49,13 +52,14 @@ def parse_weight_scheme(name: str) -> WeightScheme:
     """`int8` or `int4-g<32|64|128>[-asym]`; anything else is a ConfigError that lists the choices."""
     if name == "int8":
         return WeightScheme(bits=8)
-    m = re.fullmatch(r"int4-g(\d+)(-asym|-sym)?", name)
+    m = re.fullmatch(r"int4-g(\d+)(-asym|-sym|-min)?", name)
     if not m:
         raise ConfigError(f"unknown quantization scheme {name!r}; choose {SCHEME_HELP}", param="scheme")
     group = int(m.group(1))
     if group not in INT4_GROUP_SIZES:
         raise ConfigError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group}", param="scheme")
-    return WeightScheme(bits=4, group_size=group, symmetric=m.group(2) != "-asym")
+    return WeightScheme(bits=4, group_size=group, symmetric=m.group(2) not in ("-asym", "-min"),
+                        float_zero=m.group(2) == "-min")
 
 
 @dataclass(frozen=True)

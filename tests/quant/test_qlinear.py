@@ -18,7 +18,7 @@ from kvyard.quant.scheme import parse_weight_scheme
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("name", ["int8", "int4-g32", "int4-g64-asym", "int4-g128"])
+@pytest.mark.parametrize("name", ["int8", "int4-g32", "int4-g64-asym", "int4-g128", "int4-g32-min"])
 @pytest.mark.parametrize("shape", [(96, 200), (128, 576), (400, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, KERNEL_MAX_ROWS + 9])  # kernel path, and dequantize-then-GEMM
@@ -51,7 +51,7 @@ def test_low_bit_weights_are_smaller():
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="kvyard's CPU kernels did not build here")
-@pytest.mark.parametrize("name", ["int8", "int4-g32", "int4-g64-asym", "int4-g128"])
+@pytest.mark.parametrize("name", ["int8", "int4-g32", "int4-g64-asym", "int4-g128", "int4-g64-min"])
 @pytest.mark.parametrize("shape", [(98, 200), (128, 576), (7, 96)])  # rows not in whole blocks of four
 @pytest.mark.parametrize("rows", [1, 3, 4, 17, KERNEL_MAX_ROWS + 9])
 def test_portable_kernel_matches_dequantized_reference(name, shape, rows):

@@ -1,14 +1,15 @@
 import pytest
 import torch
 
-from kvyard.errors import CheckpointError
+from kvyard.errors import CheckpointError, ConfigError
 from kvyard.quant.qtensor import QuantizedTensor, pack_int4, unpack_int4
 from kvyard.quant.scheme import parse_weight_scheme
 
 SCHEMES = ["int8", "int4-g32", "int4-g64-asym", "int4-g128", "int4-g128-asym"]
+GRIDS = SCHEMES + ["int4-g32-min", "int4-g128-min"]  # -min: a float zero point, and no outlier columns
 
 
-@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize("name", GRIDS)
 @pytest.mark.parametrize("shape", [(96, 200), (64, 128), (7, 33)])
 def test_error_is_within_half_a_step(name, shape):
     torch.manual_seed(0)
@@ -28,6 +29,27 @@ def test_asymmetric_keeps_zero_exact():
     assert (qt.dequantize()[:, ::7] == 0).all()
 
 
+def test_float_zero_point_gives_back_a_weight_on_its_grid():
+    """A weight already on a 16-level grid per 32 inputs with a float offset (what GGUF's Q4_1 stores) comes back
+    from int4-g32-min to float rounding; an integer zero point cannot follow the offsets."""
+    torch.manual_seed(0)
+    n, k = 48, 256
+    step, offset = torch.rand(n, k // 32, 1) * 0.1 + 0.01, torch.randn(n, k // 32, 1) * 0.1
+    codes = torch.randint(0, 16, (n, k // 32, 32))
+    codes[..., 0], codes[..., 1] = 0, 15  # each group spans the whole grid, as a quantizer leaves it
+    w = (step * codes + offset).view(n, k)
+    qt = QuantizedTensor.quantize(w, parse_weight_scheme("int4-g32-min"))
+    assert qt.zero_point is not None and qt.zero_point.dtype == torch.float32
+    assert (qt.dequantize() - w).abs().max() < 1e-6
+    asym = QuantizedTensor.quantize(w, parse_weight_scheme("int4-g32-asym"))
+    assert (asym.dequantize() - w).abs().max() > 1e-3
+
+
+def test_float_zero_point_keeps_no_outlier_columns():
+    with pytest.raises(ConfigError, match="outlier columns"):
+        QuantizedTensor.quantize(torch.randn(16, 64), parse_weight_scheme("int4-g32-min"), torch.tensor([3]))
+
+
 def test_pack_unpack_roundtrip():
     q = torch.randint(-8, 8, (5, 19), dtype=torch.int8)
     packed = pack_int4(q)
@@ -35,7 +57,7 @@ def test_pack_unpack_roundtrip():
     assert torch.equal(unpack_int4(packed, 19), q)
 
 
-@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize("name", GRIDS)
 def test_state_dict_roundtrip(name):
     qt = QuantizedTensor.quantize(torch.randn(64, 96), parse_weight_scheme(name))
     sd = qt.to_state_dict("layer.")

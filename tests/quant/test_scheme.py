@@ -11,6 +11,7 @@ from kvyard.quant.scheme import WeightScheme, check_rounding, parse_quant_reques
         ("int4-g32", WeightScheme(4, 32, True)),
         ("int4-g64-asym", WeightScheme(4, 64, False)),
         ("int4-g128", WeightScheme(4, 128, True)),
+        ("int4-g32-min", WeightScheme(4, 32, False, float_zero=True)),
     ],
 )
 def test_parse_weight_scheme(name, expected):

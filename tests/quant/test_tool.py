@@ -46,7 +46,7 @@ def test_mixed_plan_respects_budget_and_protects_head(tiny_checkpoint, tmp_path)
     assert set(r.tool_json) == {"full", "quant"}
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4-g64-asym"])
+@pytest.mark.parametrize("scheme", ["int8", "int4-g64-asym", "int4-g32-min"])
 def test_quantize_save_load_generate(tiny_checkpoint, tmp_path, scheme):
     src = tiny_checkpoint("qwen2")
     out = tmp_path / scheme
