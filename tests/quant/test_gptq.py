@@ -9,7 +9,7 @@ from kvyard.quant.plan import linear_units
 from kvyard.quant.qtensor import QuantizedTensor
 from kvyard.quant.scheme import parse_weight_scheme
 
-SCHEMES = ["int8", "int4-g32", "int4-g64-asym", "int4-g128"]
+SCHEMES = ["int8", "int4-g32", "int4-g64-asym", "int4-g128", "int4-g32-min"]
 
 
 def _correlated_inputs(rows: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -33,7 +33,7 @@ def test_range_and_shapes(name, shape):
     assert qt.scale.shape == rtn.scale.shape and qt.scale.dtype == torch.float32 and (qt.scale > 0).all()
     assert (qt.zero_point is None) == (rtn.zero_point is None)
     if qt.zero_point is not None:
-        assert qt.zero_point.shape == rtn.zero_point.shape and qt.zero_point.dtype == torch.int8
+        assert qt.zero_point.shape == rtn.zero_point.shape and qt.zero_point.dtype == rtn.zero_point.dtype
 
 
 @pytest.mark.parametrize("name", SCHEMES)
