@@ -25,6 +25,12 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
 
 
+def _one_row_in_int16(name: str) -> bool:
+    """Whether one row meets the codes as int16 (the AVX-512 kernel's loop): always without AMX; with AMX, int4 rows
+    (amx_linear_lowbit hands them to that loop; int8 rows keep its exact fp32 vector loop)."""
+    return not AMX or name.startswith("int4")
+
+
 def _within_kernel_rounding(got: torch.Tensor, exact: torch.Tensor, ulps: int = 1) -> bool:
     """The exact product rounded once to bf16 (fp32 sums add far less); past KERNEL_MAX_ROWS on AMX CPUs (a
     prefill chunk) the weight is dequantized to bf16 for the dense GEMM: a second rounding, and up to ~1 % more."""
@@ -39,9 +45,9 @@ def _within_kernel_rounding(got: torch.Tensor, exact: torch.Tensor, ulps: int = 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 16, 17, 33, KERNEL_MAX_ROWS, 300])  # AMX 1-4: its vector loops
 def test_rounds_the_exact_result_once(name, out, inp, rows):
     """Scales go onto each group's fp32 sum, so the output is the exact x @ dequantized.T rounded once
-    to bf16 (within one bf16 step; fp32 summation adds far less). (One row on the AVX-512 kernel rounds x to
-    int16 first: the next test.)"""
-    if rows == 1 and not AMX:
+    to bf16 (within one bf16 step; fp32 summation adds far less). (One row on the AVX-512 kernel, and one int4 row
+    on AMX CPUs, round x to int16 first: the next test.)"""
+    if rows == 1 and _one_row_in_int16(name):
         pytest.skip("one row takes the int16 path here")
     g = torch.Generator().manual_seed(rows + out + inp)
     qt = QuantizedTensor.quantize(torch.randn(out, inp, generator=g), parse_weight_scheme(name))
@@ -54,13 +60,15 @@ def test_rounds_the_exact_result_once(name, out, inp, rows):
     assert _within_kernel_rounding(got, exact)
 
 
-@pytest.mark.skipif(AMX or not cpu_kernels.vnni_lowbit_available(), reason="the AVX-512 kernel's one-row path")
+@pytest.mark.skipif(not cpu_kernels.vnni_lowbit_available(), reason="the AVX-512 kernel's one-row path")
 @pytest.mark.parametrize("name", SCHEMES)
 @pytest.mark.parametrize("inp", [128, 576, 1536])
 def test_one_row_is_within_the_int16_rounding_of_x(name, inp):
     """One bf16 row: x rounded to int16 per run of up to 128 values inside a weight group. Each output may move by
     at most sum_j |w_ij| * max|x in j's run| / 65534 from the exact product, plus the bf16 rounding of the output
     (and 2^-24 of it for the int32 sums' conversion). An outlier channel only coarsens its own run."""
+    if not _one_row_in_int16(name):
+        pytest.skip("one int8 row on AMX CPUs takes the exact vector loop")
     torch.manual_seed(inp)
     scheme = parse_weight_scheme(name)
     qt = QuantizedTensor.quantize(torch.randn(96, inp), scheme)

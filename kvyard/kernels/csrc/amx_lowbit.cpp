@@ -5,8 +5,8 @@
 // buffer (exactly: these integers are bf16 values) and multiplied on the tiles; the scales (one per column
 // and group) and zero points are applied to each group's fp32 sum. The result is the fp32 sum of
 // x * (q - zp) * scale with no rounded weight in between, which is what PyTorch's own int8/int4 CPU
-// kernels compute. A batch-1 step (int8: up to 4 rows) skips the tiles for AVX-512 dot products on the
-// same bytes (lowbit_gemv, below). Outlier columns (vnni_blocks.h's Outliers) are added to each block's fp32 sums
+// kernels compute. int8 steps of 1-4 rows skip the tiles for AVX-512 dot products on the same bytes (gemv8,
+// below); one int4 row takes the AVX-512 kernel's int16 loop (vnni_lowbit.cpp) instead. Outlier columns (vnni_blocks.h's Outliers) are added to each block's fp32 sums
 // before they are rounded, as the AVX-512 kernel adds them.
 //
 // Layouts (built by kvyard/quant/qlinear.py): int8 q in amx.h's VNNI blocks, [N/32, K/2, 32, 2] int8;
@@ -177,73 +177,18 @@ void lowbit_matmul(const uint16_t* x, const LowBitWeight& w, const Outliers& o, 
   });
 }
 
-// ---- A few rows (a batch-1 decode): AVX-512 dot products on the packed bytes, no tiles ----
+// ---- int8, a few rows (a batch-1 decode): AVX-512 dot products on the packed bytes, no tiles ----
 //
 // With one row the tiles do 1/16 of useful work, and the widening buffer costs a store and a reload per
 // weight; these loops widen in registers and stream the weight at memory speed. Same layout, same result
 // (fp32 sums of exact products; scales and zero terms per group). They beat the tiles up to this many rows
 // (SmolLM2's 120 layer matmuls, alternating: int8 6.1 / 6.6 / 7.5 ms at 1 / 2 / 4 rows against ~10 ms on
-// the tiles; int4 3.6 against 4.1 ms at one row, but 4.9 against 4.1 at two).
-constexpr int64_t gemv_max_rows(int bits) { return bits == 8 ? 4 : 1; }
+// the tiles). Their codes and each next block's scales and kept columns are asked for ahead into L2
+// (vnni_blocks.h's stream_ahead and prefetch_block_extras).
+constexpr int64_t kGemv8MaxRows = 4;
 
-// The one-row loops ask for their codes 8 KB ahead into L2, and at the start of each block for the next block's
-// scale and zero rows and kept columns (streams of their own that the code prefetch does not cover). Against the
-// tiles' 4 KB ahead into L1, over 120 SmolLM2 layer matmuls with 5 % kept columns, caches flushed before each pass,
-// alternated in one process (21 rounds): int8 6.94 -> 6.46 ms, int4-g128 4.92 -> 4.62 ms; Qwen's shapes 6.29 -> 5.95
-// and 4.74 -> 4.26 ms. A one-row loop computes little per line, and requests to L1 hold a fill buffer each until
-// the line arrives, so fewer lines were in flight than the stream needs.
-constexpr int64_t kGemvAhead = 8192;
-
-inline void stream_ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kGemvAhead, _MM_HINT_T2); }
-
-inline void prefetch_lines(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T2);
-}
-
-// Block nb's scales and zero terms (32 floats per group) and its kept columns, into L2.
-inline void prefetch_block_extras(const LowBitWeight& w, const Outliers& o, int64_t nb, int64_t n, int64_t groups) {
-  for (int64_t g = 0; g < groups; ++g) {
-    prefetch_lines(w.scale + g * n + nb * kBlockCols, kBlockCols * sizeof(float));
-    if (w.zero != nullptr) prefetch_lines(w.zero + g * n + nb * kBlockCols, kBlockCols * sizeof(float));
-  }
-  prefetch_lines(o.weights + nb * o.pairs * kBlockCols * 2, o.pairs * kBlockCols * 2 * sizeof(uint16_t));
-}
-
-// int4, one row: each VNNI row widened in registers (int4_row_to_bf16); one VDPBF16PS per half adds
-// x * (q + 136) over the pair, and the offset comes back through the group sums.
-void gemv4_block(const uint16_t* x, const LowBitWeight& w, const float* sums, const Outliers& o, const uint32_t* xo,
-                 int64_t nb, int64_t n, int64_t k, uint16_t* out) {
-  const int64_t groups = num_groups(k, w.group), pairs = k / 2, n0 = nb * kBlockCols;
-  const uint8_t* b = w.q + nb * pairs * kBlockCols;
-  prefetch_block_extras(w, o, nb + 1, n, groups);
-  __m512 y[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  for (int64_t g = 0; g < groups; ++g) {
-    // Two VNNI rows per step into separate sums: one chain would wait on VDPBF16PS's latency.
-    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    const int64_t p_end = std::min(pairs, (g + 1) * w.group / 2);  // groups hold a multiple of 16 pairs
-    for (int64_t p = g * w.group / 2; p < p_end; p += 2) {
-      stream_ahead(b + p * kBlockCols);
-      for (int u = 0; u < 2; ++u) {
-        __m512i lo, hi;
-        int4_row_to_bf16(b + (p + u) * kBlockCols, lo, hi);
-        uint32_t pair;
-        std::memcpy(&pair, x + 2 * (p + u), 4);
-        const __m512bh xp = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(pair)));
-        a[2 * u] = _mm512_dpbf16_ps(a[2 * u], reinterpret_cast<__m512bh>(lo), xp);
-        a[2 * u + 1] = _mm512_dpbf16_ps(a[2 * u + 1], reinterpret_cast<__m512bh>(hi), xp);
-      }
-    }
-    for (int h = 0; h < 2; ++h) {  // y += scale * (dot - 136 * sum) + zero * sum
-      const __m512 scale = _mm512_loadu_ps(w.scale + g * n + n0 + 16 * h);
-      __m512 coef = _mm512_mul_ps(scale, _mm512_set1_ps(-kInt4Offset));
-      if (w.zero != nullptr) coef = _mm512_add_ps(coef, _mm512_loadu_ps(w.zero + g * n + n0 + 16 * h));
-      const __m512 dot = _mm512_add_ps(a[h], a[h + 2]);
-      y[h] = _mm512_fmadd_ps(dot, scale, _mm512_fmadd_ps(coef, _mm512_set1_ps(sums[g]), y[h]));
-    }
-  }
-  add_outlier_pairs(o, y, xo, nb, 0, o.pairs);
-  for (int h = 0; h < 2; ++h) store16(y[h], out + n0 + 16 * h);
-}
+using vnni::prefetch_block_extras;
+using vnni::stream_ahead;
 
 // int8, M rows: each 16 bytes of a VNNI row (8 columns x a pair of k) to fp32, and one FMA per row of x
 // against its pair (x[2p], x[2p + 1]) broadcast; lanes 2c and 2c + 1 are added at the end.
@@ -252,7 +197,7 @@ void gemv8_block(const float* xf, const LowBitWeight& w, const float* sums, cons
                  int64_t nb, int64_t n, int64_t k, uint16_t* out) {
   const int64_t groups = num_groups(k, w.group), pairs = k / 2, n0 = nb * kBlockCols;
   const int8_t* b = reinterpret_cast<const int8_t*>(w.q) + nb * pairs * 2 * kBlockCols;
-  prefetch_block_extras(w, o, nb + 1, n, groups);
+  prefetch_block_extras(w.scale, w.zero, o, nb + 1, n, groups);
   const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
   __m512 y[M][2];
@@ -299,26 +244,19 @@ void gemv8(const float* xf, const LowBitWeight& w, const float* sums, const Outl
   });
 }
 
-// m <= gemv_max_rows(kBits) rows; each thread takes a share of the 32-column blocks, as on the tiles.
-template <int kBits>
-void lowbit_gemv(const uint16_t* x, const LowBitWeight& w, const Outliers& o, uint16_t* out, int64_t m, int64_t n,
-                 int64_t k) {
-  const std::vector<float> sums = w.zero != nullptr || kBits == 4 ? group_sums(x, m, k, w.group) : std::vector<float>();
+// 1-4 rows of int8; each thread takes a share of the 32-column blocks, as on the tiles.
+void lowbit_gemv8(const uint16_t* x, const LowBitWeight& w, const Outliers& o, uint16_t* out, int64_t m, int64_t n,
+                  int64_t k) {
+  const std::vector<float> sums = w.zero != nullptr ? group_sums(x, m, k, w.group) : std::vector<float>();
   const float* s = sums.empty() ? nullptr : sums.data();
   const std::vector<uint32_t> xo = o.gather(x, m, k);
-  if constexpr (kBits == 4) {
-    at::parallel_for(0, n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t nb = begin; nb < end; ++nb) gemv4_block(x, w, s, o, xo.data(), nb, n, k, out);
-    });
-  } else {
-    std::vector<float> xf(m * k);  // fp32 pairs broadcast straight from memory
-    for (int64_t i = 0; i < m * k; ++i) xf[i] = bf16_to_float(x[i]);
-    switch (m) {
-      case 1: gemv8<1>(xf.data(), w, s, o, xo.data(), n, k, out); break;
-      case 2: gemv8<2>(xf.data(), w, s, o, xo.data(), n, k, out); break;
-      case 3: gemv8<3>(xf.data(), w, s, o, xo.data(), n, k, out); break;
-      default: gemv8<4>(xf.data(), w, s, o, xo.data(), n, k, out); break;
-    }
+  std::vector<float> xf(m * k);  // fp32 pairs broadcast straight from memory
+  for (int64_t i = 0; i < m * k; ++i) xf[i] = bf16_to_float(x[i]);
+  switch (m) {
+    case 1: gemv8<1>(xf.data(), w, s, o, xo.data(), n, k, out); break;
+    case 2: gemv8<2>(xf.data(), w, s, o, xo.data(), n, k, out); break;
+    case 3: gemv8<3>(xf.data(), w, s, o, xo.data(), n, k, out); break;
+    default: gemv8<4>(xf.data(), w, s, o, xo.data(), n, k, out); break;
   }
 }
 
@@ -331,14 +269,20 @@ namespace kvyard::ops {
 at::Tensor amx_linear_lowbit(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                              const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size,
                              const std::optional<at::Tensor>& outlier_cols, const std::optional<at::Tensor>& outliers) {
+  // One int4 row: the AVX-512 kernel's loop (x rounded to int16 per run, VPDPWSSD) with the streams prefetched into
+  // L2 takes fewer instructions per weight than widening each code to bf16 for VDPBF16PS, which left this loop
+  // partly compute-bound: SmolLM2 int4-g128 h8o5 decode 1.87-1.88x -> 1.99x bf16, Qwen2.5-Coder-0.5B 2.12x -> 2.25x
+  // (tools/quant_decode_rates.py, two processes each way, two models stepped in turn).
+  if (bits == 4 && x.dim() == 2 && x.size(0) == 1)
+    return vnni_lowbit_linear_ex(x, q, scale, zero, bits, group_size, outlier_cols, outliers, /*prefetch=*/true);
   const Outliers o = vnni::outliers_of(q, outlier_cols, outliers);
   return vnni::lowbit_blocks_linear(x, q, scale, zero, bits, group_size,
                                     [&o](const uint16_t* xp, const vnni::LowBitBlocks& b, uint16_t* op, int64_t m) {
 #ifdef KVYARD_HAS_AMX
     TORCH_CHECK(amx_ready(), "AMX is not available on this CPU or was refused by the OS");
     const LowBitWeight w{b.q, b.scale, b.zero, b.group};
-    if (m <= gemv_max_rows(b.bits)) {
-      b.bits == 8 ? lowbit_gemv<8>(xp, w, o, op, m, b.n, b.k) : lowbit_gemv<4>(xp, w, o, op, m, b.n, b.k);
+    if (b.bits == 8 && m <= kGemv8MaxRows) {
+      lowbit_gemv8(xp, w, o, op, m, b.n, b.k);
     } else {
       b.bits == 8 ? lowbit_matmul<8>(xp, w, o, op, m, b.n, b.k) : lowbit_matmul<4>(xp, w, o, op, m, b.n, b.k);
     }

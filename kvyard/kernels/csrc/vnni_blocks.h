@@ -121,6 +121,30 @@ inline Outliers outliers_of(const at::Tensor& q, const std::optional<at::Tensor>
 }
 
 #if defined(__AVX512BF16__)
+// One-row loops on AMX Xeons ask for their codes 8 KB ahead into L2, and at each block's start for the next block's
+// scales, zero terms and kept columns (streams of their own that the code prefetch does not cover). Against 4 KB
+// ahead into L1, over 120 SmolLM2 layer matmuls with 5 % kept columns, caches flushed before each pass, alternated
+// in one process (21 rounds): int8 6.94 -> 6.46 ms, int4-g128 4.92 -> 4.62 ms; Qwen's shapes 6.29 -> 5.95 and
+// 4.74 -> 4.26 ms. A one-row loop computes little per line, and requests into L1 hold a fill buffer each until the
+// line arrives, so fewer lines were in flight than the stream needs.
+constexpr int64_t kStreamAhead = 8192;
+
+inline void stream_ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kStreamAhead, _MM_HINT_T2); }
+
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T2);
+}
+
+// Block nb's scales and zero terms (32 floats per group; zero may be null) and its kept columns, into L2.
+inline void prefetch_block_extras(const float* scale, const float* zero, const Outliers& o, int64_t nb, int64_t n,
+                                  int64_t groups) {
+  for (int64_t g = 0; g < groups; ++g) {
+    prefetch_lines(scale + g * n + nb * kBlockCols, kBlockCols * sizeof(float));
+    if (zero != nullptr) prefetch_lines(zero + g * n + nb * kBlockCols, kBlockCols * sizeof(float));
+  }
+  prefetch_lines(o.weights + nb * o.pairs * kBlockCols * 2, o.pairs * kBlockCols * 2 * sizeof(uint16_t));
+}
+
 // Block nb's kept pairs [j0, j1) added into one row's sums of its two halves (y[0]: columns 0-15, y[1]: 16-31), in fp32:
 // a pair of kept columns a VDPBF16PS per half (bf16 products are exact; one instruction for 32 weights, where widening
 // each bf16 weight for an FMA took four for 16 and made 5 % of the columns cost int4-g128 layers ~15 %).

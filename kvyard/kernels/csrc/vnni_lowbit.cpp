@@ -116,11 +116,14 @@ inline void widen_int16(const uint8_t* row, __m512i& lo, __m512i& hi) {
   }
 }
 
-template <int kBits>
+// kPrefetch: the streams asked for ahead into L2 (vnni_blocks.h), as the AMX kernel's callers measured it to pay on
+// Intel Xeons; on AMD Zen 4, the CPUs this kernel is for, software prefetch in this loop measured slower (session 16).
+template <int kBits, bool kPrefetch>
 void gemv_block(const Weight& w, const Int16X& x, const float* sums, const Outliers& o, const uint32_t* xo, int64_t nb,
                 at::BFloat16* out) {
   const uint8_t* b = block(w, nb);
   const int64_t col = nb * kBlockCols, groups = num_groups(w.k, w.group), rb = row_bytes(w);
+  if constexpr (kPrefetch) vnni::prefetch_block_extras(w.scale, w.zero, o, nb + 1, w.n, groups);
   __m512 y[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   const int64_t runs = num_groups(w.k, x.run);
   for (int64_t g = 0; g < groups; ++g) {
@@ -136,6 +139,8 @@ void gemv_block(const Weight& w, const Int16X& x, const float* sums, const Outli
       __m512i s[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()}, {_mm512_setzero_si512(), _mm512_setzero_si512()}};
       const int64_t p_end = std::min(g_end, r0 + x.run) / 2;
       for (int64_t p = r0 / 2; p < p_end; p += 2) {  // runs hold an even number of pairs
+        if constexpr (kPrefetch)  // two rows: one line for int4, two for int8
+          for (int64_t off = 0; off < 2 * rb; off += 64) vnni::stream_ahead(b + p * rb + off);
         for (int u = 0; u < 2; ++u) {
           __m512i lo, hi;
           widen_int16<kBits>(b + (p + u) * rb, lo, hi);
@@ -222,7 +227,7 @@ constexpr std::array<TileFn<kBits>, sizeof...(kRows)> tiles(std::integer_sequenc
 }
 
 template <int kBits>
-void matmul(const uint16_t* x, const Weight& w, const Outliers& o, at::BFloat16* out, int64_t m) {
+void matmul(const uint16_t* x, const Weight& w, const Outliers& o, at::BFloat16* out, int64_t m, bool prefetch) {
   const bool need_sums = kBits == 4 || w.zero != nullptr;
   const std::vector<float> sums = need_sums ? group_sums(x, m, w.k, w.group) : std::vector<float>();
   const float* s = need_sums ? sums.data() : nullptr;
@@ -230,7 +235,9 @@ void matmul(const uint16_t* x, const Weight& w, const Outliers& o, at::BFloat16*
   if (m == 1) {
     const Int16X xq = round_x(x, w.k, w.group);
     at::parallel_for(0, w.n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t nb = begin; nb < end; ++nb) gemv_block<kBits>(w, xq, s, o, xo.data(), nb, out);
+      for (int64_t nb = begin; nb < end; ++nb)
+        prefetch ? gemv_block<kBits, true>(w, xq, s, o, xo.data(), nb, out)
+                 : gemv_block<kBits, false>(w, xq, s, o, xo.data(), nb, out);
     });
     return;
   }
@@ -246,7 +253,7 @@ void matmul(const uint16_t* x, const Weight& w, const Outliers& o, at::BFloat16*
 
 constexpr bool kCompiled = false;
 template <int kBits>
-void matmul(const uint16_t*, const Weight&, const Outliers&, at::BFloat16*, int64_t) {
+void matmul(const uint16_t*, const Weight&, const Outliers&, at::BFloat16*, int64_t, bool) {
   TORCH_CHECK(false, "kvyard was compiled for a CPU without AVX-512 VNNI and BF16");
 }
 
@@ -258,15 +265,22 @@ bool vnni_lowbit_available() { return kCompiled; }
 
 namespace kvyard::ops {
 
+at::Tensor vnni_lowbit_linear_ex(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                                 const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size,
+                                 const std::optional<at::Tensor>& outlier_cols, const std::optional<at::Tensor>& outliers,
+                                 bool prefetch) {
+  const Outliers o = vnni::outliers_of(q, outlier_cols, outliers);
+  return vnni::lowbit_blocks_linear(x, q, scale, zero, bits, group_size,
+                                    [&o, prefetch](const uint16_t* xp, const Weight& w, uint16_t* op, int64_t m) {
+    auto* out = reinterpret_cast<at::BFloat16*>(op);
+    w.bits == 8 ? matmul<8>(xp, w, o, out, m, prefetch) : matmul<4>(xp, w, o, out, m, prefetch);
+  });
+}
+
 at::Tensor vnni_lowbit_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                               const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size,
                               const std::optional<at::Tensor>& outlier_cols, const std::optional<at::Tensor>& outliers) {
-  const Outliers o = vnni::outliers_of(q, outlier_cols, outliers);
-  return vnni::lowbit_blocks_linear(x, q, scale, zero, bits, group_size,
-                                    [&o](const uint16_t* xp, const Weight& w, uint16_t* op, int64_t m) {
-    auto* out = reinterpret_cast<at::BFloat16*>(op);
-    w.bits == 8 ? matmul<8>(xp, w, o, out, m) : matmul<4>(xp, w, o, out, m);
-  });
+  return vnni_lowbit_linear_ex(x, q, scale, zero, bits, group_size, outlier_cols, outliers, false);
 }
 
 }  // namespace kvyard::ops
