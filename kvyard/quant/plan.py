@@ -121,7 +121,7 @@ def _parse_args(args: dict[str, Any], where: str) -> WeightScheme:
         raise CheckpointError(f"{where}: int8 must be symmetric per channel, got {args}")
     if bits == 4 and group is None:
         raise CheckpointError(f"{where}: int4 needs a group_size, got {args}")
-    float_zero = args.get("zp_dtype") in ("float32", "float")
+    float_zero = args.get("zp_dtype") == "float32"
     if float_zero and sym:
         raise CheckpointError(f"{where}: a float zero point needs symmetric: false, got {args}")
     return WeightScheme(bits=bits, group_size=group, symmetric=sym, float_zero=float_zero)

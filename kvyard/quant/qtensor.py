@@ -3,8 +3,8 @@
 This is the form kvyard quantizes into, fuses (q|k|v, gate|up) and saves. The layout on disk follows
 compressed-tensors: int8 weights are stored as `weight` (int8) with `weight_scale` [N, 1]; int4 weights
 as `weight_packed` (eight 4-bit values per int32 along K, offset by 8), `weight_scale` [N, groups],
-`weight_zero_point` [N, groups] when asymmetric (float32 for `-min` schemes, int8 otherwise), and `weight_shape`. Kernel-ready forms are built from
-it by kvyard.quant.qlinear.
+`weight_zero_point` [N, groups] when asymmetric (float32 for `-min` schemes, int8 otherwise), and
+`weight_shape`. Kernel-ready forms are built from it by kvyard.quant.qlinear.
 
 Outlier columns (`kvyard quantize --outlier-columns`, as LLM.int8() keeps outlier features in 16 bits): a
 few input columns, those whose activations are largest, can be kept in full precision beside the codes,
@@ -162,21 +162,19 @@ def zero_point_as_stored(zp: torch.Tensor, scheme: WeightScheme) -> torch.Tensor
 
 def _quantize_groups(wg: torch.Tensor, scheme: WeightScheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """wg [n, groups, group] -> q (float, integral values), scale [n, groups], zero point or None."""
-    if scheme.float_zero:  # the group's own range, its minimum the offset: w = (q - qmin) * scale + lo
-        lo, hi = wg.amin(-1), wg.amax(-1)
-        scale = (hi - lo) / (scheme.qmax - scheme.qmin)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = (torch.round((wg - lo.unsqueeze(-1)) / scale.unsqueeze(-1)) + scheme.qmin).clamp(scheme.qmin, scheme.qmax)
-        return q, scale, scheme.qmin - lo / scale
     if scheme.symmetric:
         half_range = (scheme.qmax - scheme.qmin) / 2 if scheme.bits == 4 else scheme.qmax
         scale = wg.abs().amax(-1) / half_range
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         return torch.round(wg / scale.unsqueeze(-1)).clamp(scheme.qmin, scheme.qmax), scale, None
-    # The range always holds 0, so that zero weights (and padding) stay exactly zero.
-    lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    if not scheme.float_zero:  # an integer zero point: the range holds 0, so zero weights (and padding) stay exactly 0
+        lo, hi = lo.clamp(max=0), hi.clamp(min=0)
     scale = (hi - lo) / (scheme.qmax - scheme.qmin)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if scheme.float_zero:  # the group's minimum is the offset: w = (q - qmin) * scale + lo
+        q = torch.round((wg - lo.unsqueeze(-1)) / scale.unsqueeze(-1)) + scheme.qmin
+        return q.clamp(scheme.qmin, scheme.qmax), scale, scheme.qmin - lo / scale
     zp = (scheme.qmin - torch.round(lo / scale)).clamp(scheme.qmin, scheme.qmax)
     q = (torch.round(wg / scale.unsqueeze(-1)) + zp.unsqueeze(-1)).clamp(scheme.qmin, scheme.qmax)
     return q, scale, zp

@@ -6,8 +6,9 @@
 // and group) and zero points are applied to each group's fp32 sum. The result is the fp32 sum of
 // x * (q - zp) * scale with no rounded weight in between, which is what PyTorch's own int8/int4 CPU
 // kernels compute. int8 steps of 1-4 rows skip the tiles for AVX-512 dot products on the same bytes (gemv8,
-// below); one int4 row takes the AVX-512 kernel's int16 loop (vnni_lowbit.cpp) instead. Outlier columns (vnni_blocks.h's Outliers) are added to each block's fp32 sums
-// before they are rounded, as the AVX-512 kernel adds them.
+// below); one int4 row takes the AVX-512 kernel's int16 loop (vnni_lowbit.cpp) instead. Outlier columns
+// (vnni_blocks.h's Outliers) are added to each block's fp32 sums before they are rounded, as the AVX-512 kernel adds
+// them.
 //
 // Layouts (built by kvyard/quant/qlinear.py): int8 q in amx.h's VNNI blocks, [N/32, K/2, 32, 2] int8;
 // int4 q + 8 in the same order, two per byte, [N/32, K/2, 32] uint8: byte i of a 64-value VNNI row holds
