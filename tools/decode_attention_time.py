@@ -1,7 +1,7 @@
-"""Decode attention alone, on a real engine state: 32 rows of SmolLM2 ~157 tokens in, all 30 layers.
+"""Decode attention alone, on a real engine state: 32 rows of SmolLM2 ~128 + STEPS tokens in, all 30 layers.
 
-usage: python tools/decode_attention_time.py [KV_CACHE_DTYPE]   (auto or int8; KVYARD_CPU_KERNELS=0 times the
-       gather + SDPA path)
+usage: python tools/decode_attention_time.py [KV_CACHE_DTYPE] [STEPS]   (auto or int8, default 30 decode steps
+       before the timed one; KVYARD_CPU_KERNELS=0 times the gather + SDPA path)
 """
 import statistics
 import sys
@@ -9,6 +9,7 @@ import time
 
 import torch
 
+import kvyard.kernels.cpu as cpu_kernels
 import kvyard.models.attention as attention
 from kvyard.bench.workload import random_workload
 from kvyard.llm import LLM
@@ -18,13 +19,15 @@ from kvyard.sampling_params import SamplingParams
 def main() -> None:
     torch.set_num_threads(2)
     kv_dtype = sys.argv[1] if len(sys.argv) > 1 else "auto"
+    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 30
     eng = LLM("smollm2-135m", kv_cache_dtype=kv_dtype).engine
     for prompt in random_workload(eng.tokenizer, 32, 128, 64, seed=5).prompts:
-        eng.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-    for _ in range(30):
+        eng.add_request(prompt, SamplingParams(max_tokens=steps + 10, temperature=0, ignore_eos=True))
+    for _ in range(steps):
         eng.step()
     captured = []
     run = attention.decode_attention
+    cpu_kernels.decode_stack_enabled = lambda: False  # the captured step goes layer by layer, through `capture`
 
     def capture(q, cache, meta):
         captured.append((q.clone(), cache, meta))

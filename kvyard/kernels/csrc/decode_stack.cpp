@@ -94,10 +94,16 @@ class DecodeStack : public torch::CustomClassHolder {
                     v_scales.size() == n_layers, "one cache per layer");
     const int64_t rows = x.size(0);
     const double scale = std::pow(static_cast<double>(head_dim_), -0.5);  // as Python's head_dim**-0.5
+    // A layer's MLP output waits for the next layer's input norm, which adds it to x in the same pass
+    // (add_rms_norm_ rounds the sum once and writes it back, as x.add_ does): one small call per layer fewer,
+    // ~2 us each at batch 1. The last layer's is added at the end.
+    at::Tensor mlp_out;
     for (size_t i = 0; i < n_layers; ++i) {
       const Layer& layer = layers_[i];
       // attention
-      at::Tensor qkv = layer.qkv(ops::rms_norm(x, layer.input_norm, eps_)).view({rows, heads_ + 2 * kv_heads_, head_dim_});
+      const at::Tensor h_in = mlp_out.defined() ? ops::add_rms_norm_(x, mlp_out, layer.input_norm, eps_)
+                                                : ops::rms_norm(x, layer.input_norm, eps_);
+      at::Tensor qkv = layer.qkv(h_in).view({rows, heads_ + 2 * kv_heads_, head_dim_});
       at::Tensor qk = qkv.narrow(1, 0, heads_ + kv_heads_);
       if (layer.qk_norm) {
         const at::Tensor normed = at::rms_norm(qk.to(at::kFloat), {head_dim_}, std::nullopt, eps_);
@@ -111,8 +117,9 @@ class DecodeStack : public torch::CustomClassHolder {
       const at::Tensor h = layer.o(attn.reshape({rows, heads_ * head_dim_}));
       // MLP
       const at::Tensor normed = ops::add_rms_norm_(x, h, layer.post_norm, eps_);
-      x.add_(layer.down(ops::silu_mul(layer.gate_up(normed))));
+      mlp_out = layer.down(ops::silu_mul(layer.gate_up(normed)));
     }
+    if (mlp_out.defined()) x.add_(mlp_out);
   }
 
  private:
