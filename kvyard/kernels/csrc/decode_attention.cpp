@@ -41,16 +41,22 @@ inline void prefetch_block(const int64_t* table, int64_t b, int64_t block_size, 
 // 32 rows of ~175 tokens (alternating microbenchmark); two ahead without the start: 1.03x.
 constexpr int64_t kBlocksAhead = 4;
 
-// Calls f(position, slot) for positions 0 .. len-1 of a row, walking its block table block by block.
-// (A plain function does the prefetching: a lambda here kept GCC from inlining f, at 1.8x the time.)
-template <typename F>
-inline void for_each_token(const int64_t* table, int64_t len, int64_t block_size, const SlotSpan& span, F&& f) {
+// Calls f(position, slot) for positions 0 .. len-1 of a row, walking its block table block by block; given f4,
+// f4(position, slot) takes four positions at once (slots slot .. slot + 3: a block's slots are consecutive) and f
+// the rest of each block. (A plain function does the prefetching: a lambda here kept GCC from inlining f, at 1.8x
+// the time.)
+template <typename F, typename F4 = std::nullptr_t>
+inline void for_each_token(const int64_t* table, int64_t len, int64_t block_size, const SlotSpan& span, F&& f,
+                           F4&& f4 = nullptr) {
   const int64_t blocks = (len + block_size - 1) / block_size;
   for (int64_t b = 0; b < std::min(kBlocksAhead, blocks); ++b) prefetch_block(table, b, block_size, span);
   for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
     if (b + kBlocksAhead < blocks) prefetch_block(table, b + kBlocksAhead, block_size, span);
     const int64_t base = table[b] * block_size, n = std::min(block_size, len - t0);
-    for (int64_t j = 0; j < n; ++j) f(t0 + j, base + j);
+    int64_t j = 0;
+    if constexpr (!std::is_same_v<std::decay_t<F4>, std::nullptr_t>)
+      for (; j + 4 <= n; j += 4) f4(t0 + j, base + j);
+    for (; j < n; ++j) f(t0 + j, base + j);
   }
 }
 
@@ -71,6 +77,13 @@ struct Lanes {
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(V a) { return _mm512_reduce_add_ps(a); }
+  // [sum(a0), sum(a1), sum(a2), sum(a3)]: each folded to 8 lanes, then vec.h's shuffle tree for four
+  static __m128 sum4(V a0, V a1, V a2, V a3) {
+    auto fold = [](V a) {
+      return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    };
+    return kvyard::sum4(fold(a0), fold(a1), fold(a2), fold(a3));
+  }
   static void store(float* p, V a) { _mm512_store_ps(p, a); }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -94,6 +107,7 @@ struct Lanes {
     const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
   }
+  static __m128 sum4(V a0, V a1, V a2, V a3) { return kvyard::sum4(a0, a1, a2, a3); }
   static void store(float* p, V a) { _mm256_store_ps(p, a); }
 };
 #endif
@@ -124,15 +138,29 @@ void attend_head(const uint16_t* q, const C* k, const C* v, const float* k_scale
     const float s = scales ? scales[at] : 1.0f;
     for (int i = 0; i < NV; ++i) row[i] = Lanes::load(cache + at * D + i * kLanes, s);
   };
-  for_each_token(table, len, block_size, k_span, [&](int64_t t, int64_t slot) {
+  // q . k of one token for query head g, as lanes still to be summed
+  auto partial = [&](int g, const V* kv) {
+    V acc = Lanes::mul(qv[g][0], kv[0]);
+    for (int i = 1; i < NV; ++i) acc = Lanes::fmadd(qv[g][i], kv[i], acc);
+    return acc;
+  };
+  // Four tokens' lanes are summed together: one shuffle tree for four, where a horizontal sum each took most of
+  // the score loop's instructions (attention at 32 rows of ~280 tokens: see BENCHMARKS.md, session 19).
+  auto score4 = [&](int64_t t, int64_t slot) {
+    V acc[G][4];
+    for (int u = 0; u < 4; ++u) {
+      V kv[NV];
+      load_slot(k, k_scale, slot + u, kv);
+      for (int g = 0; g < G; ++g) acc[g][u] = partial(g, kv);
+    }
+    for (int g = 0; g < G; ++g) _mm_storeu_ps(scores + g * len + t, Lanes::sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+  };
+  auto score = [&](int64_t t, int64_t slot) {
     V kv[NV];
     load_slot(k, k_scale, slot, kv);
-    for (int g = 0; g < G; ++g) {
-      V acc = Lanes::mul(qv[g][0], kv[0]);
-      for (int i = 1; i < NV; ++i) acc = Lanes::fmadd(qv[g][i], kv[i], acc);
-      scores[g * len + t] = Lanes::sum(acc);
-    }
-  });
+    for (int g = 0; g < G; ++g) scores[g * len + t] = Lanes::sum(partial(g, kv));
+  };
+  for_each_token(table, len, block_size, k_span, score, score4);
   float inv_sum[G];
   for (int g = 0; g < G; ++g) inv_sum[g] = softmax_unnormalized(scores + g * len, len);
   V acc[G][NV];
