@@ -1,7 +1,8 @@
-"""Decode attention alone, on a real engine state: 32 rows of SmolLM2 ~128 + STEPS tokens in, all 30 layers.
+"""Decode attention alone, on a real engine state: ROWS rows of SmolLM2 ~PROMPT + STEPS tokens in, all 30 layers.
 
-usage: python tools/decode_attention_time.py [KV_CACHE_DTYPE] [STEPS]   (auto or int8, default 30 decode steps
-       before the timed one; KVYARD_CPU_KERNELS=0 times the gather + SDPA path)
+usage: python tools/decode_attention_time.py [KV_CACHE_DTYPE] [STEPS] [ROWS] [PROMPT]   (auto or int8, default 30
+       decode steps before the timed one, 32 rows, 128-token prompts; KVYARD_CPU_KERNELS=0 times the gather + SDPA
+       path)
 """
 import statistics
 import sys
@@ -19,9 +20,9 @@ from kvyard.sampling_params import SamplingParams
 def main() -> None:
     torch.set_num_threads(2)
     kv_dtype = sys.argv[1] if len(sys.argv) > 1 else "auto"
-    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 30
+    steps, rows, prompt_len = (int(a) for a in (sys.argv[2:] + ["30", "32", "128"][len(sys.argv[2:]):]))
     eng = LLM("smollm2-135m", kv_cache_dtype=kv_dtype).engine
-    for prompt in random_workload(eng.tokenizer, 32, 128, 64, seed=5).prompts:
+    for prompt in random_workload(eng.tokenizer, rows, prompt_len, 64, seed=5).prompts:
         eng.add_request(prompt, SamplingParams(max_tokens=steps + 10, temperature=0, ignore_eos=True))
     for _ in range(steps):
         eng.step()

@@ -32,8 +32,9 @@ def _reference(q, cache: LayerKV, table, lens, block_size):
 def _case(dtype, int8, heads, kv_heads, d, block_size=4, lens=(1, 5, 13, 4), seed=0):
     g = torch.Generator().manual_seed(seed)
     rows, width = len(lens), -(-max(lens) // block_size)
-    cache = LayerKV.allocate(64 * block_size, kv_heads, d, dtype, torch.device("cpu"), int8=int8)
-    blocks = torch.randperm(64, generator=g)[: rows * width].view(rows, width)
+    pool = max(64, rows * width)
+    cache = LayerKV.allocate(pool * block_size, kv_heads, d, dtype, torch.device("cpu"), int8=int8)
+    blocks = torch.randperm(pool, generator=g)[: rows * width].view(rows, width)
     for r, n in enumerate(lens):
         slots = torch.tensor([int(blocks[r, p // block_size]) * block_size + p % block_size for p in range(n)])
         cache.write(slots, torch.randn(n, kv_heads, d, generator=g).to(dtype),
@@ -68,6 +69,37 @@ def test_bf16_is_the_fp32_result_rounded_once(int8, heads, kv_heads, d):
     expected = _reference(q, cache, blocks, lens, 4)
     # fp32 math inside, one rounding at the end: within one bf16 ulp of the fp32 result.
     assert ((out.float() - expected).abs() <= expected.abs() * 2**-8 + 1e-6).all()
+
+
+# Contexts past 512 positions are attended in chunks merged by their softmax maxima and sums: the fast path
+# (9, 3, 64) and the generic loop (8, 2, 12), one row long enough for three chunks, one for two, one short.
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 2, 12)])
+@pytest.mark.parametrize("dtype,int8", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
+                                        (torch.bfloat16, True)])
+def test_long_contexts_match_sdpa(dtype, int8, heads, kv_heads, d):
+    q, cache, blocks, lens = _case(dtype, int8, heads, kv_heads, d, block_size=16, lens=(1100, 3, 530))
+    out = _kernel(q, cache, blocks, lens, block_size=16)
+    expected = _reference(q, cache, blocks, lens, 16)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    else:
+        assert ((out.float() - expected).abs() <= expected.abs() * 2**-8 + 1e-6).all()
+
+
+def test_a_rows_result_does_not_depend_on_its_batch_or_threads():
+    # Alone (work split over KV heads and chunks) or among five rows (whole rows per item), on one thread or two,
+    # a row's chunks are the same and its result is the same to the bit.
+    q, cache, blocks, lens = _case(torch.bfloat16, False, 9, 3, 64, block_size=16, lens=(1100, 40, 700, 5, 530))
+    threads = torch.get_num_threads()
+    try:
+        batched = _kernel(q, cache, blocks, lens, block_size=16)
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for r in range(q.shape[0]):
+                alone = _kernel(q[r : r + 1], cache, blocks[r : r + 1], lens[r : r + 1], block_size=16)
+                assert torch.equal(alone[0], batched[r]), (n, r)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_padding_entries_of_the_table_are_never_read():

@@ -6,6 +6,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -58,6 +61,19 @@ inline void for_each_token(const int64_t* table, int64_t len, int64_t block_size
       for (; j + 4 <= n; j += 4) f4(t0 + j, base + j);
     for (; j < n; ++j) f(t0 + j, base + j);
   }
+}
+
+// Where one query head's result goes: `acc` (the sum of exp(score - max) * v) scaled by inv_sum and rounded into
+// out, or, for one chunk of a long context (partial not null), kept in fp32 as {max, sum, acc} for merge_chunks.
+template <typename Q>
+inline void finish_head(const float* acc, float max, float inv_sum, Q* out, float* partial, int64_t d) {
+  if (partial == nullptr) {
+    store_row(acc, inv_sum, out, d);
+    return;
+  }
+  partial[0] = max;
+  partial[1] = 1.0f / inv_sum;
+  std::copy(acc, acc + d, partial + 2);
 }
 
 // The register width the hot path below is written against: AVX-512's 16 lanes or AVX2's 8, whichever this
@@ -123,7 +139,7 @@ constexpr int kLanes = Lanes::kWidth;
 template <int D, int G, typename C>
 void attend_head(const uint16_t* q, const C* k, const C* v, const float* k_scale, const float* v_scale,
                  const int64_t* table, int64_t len, int64_t block_size, int64_t kv_heads, int64_t head,
-                 float scale, uint16_t* out, float* scores) {
+                 float scale, uint16_t* out, float* scores, float* partial) {
   constexpr int NV = D / kLanes;
   constexpr int64_t row_bytes = D * sizeof(C);
   const SlotSpan k_span{reinterpret_cast<const char*>(k), kv_heads * row_bytes, head * row_bytes, row_bytes};
@@ -139,7 +155,7 @@ void attend_head(const uint16_t* q, const C* k, const C* v, const float* k_scale
     for (int i = 0; i < NV; ++i) row[i] = Lanes::load(cache + at * D + i * kLanes, s);
   };
   // q . k of one token for query head g, as lanes still to be summed
-  auto partial = [&](int g, const V* kv) {
+  auto lanes_of = [&](int g, const V* kv) {
     V acc = Lanes::mul(qv[g][0], kv[0]);
     for (int i = 1; i < NV; ++i) acc = Lanes::fmadd(qv[g][i], kv[i], acc);
     return acc;
@@ -151,18 +167,18 @@ void attend_head(const uint16_t* q, const C* k, const C* v, const float* k_scale
     for (int u = 0; u < 4; ++u) {
       V kv[NV];
       load_slot(k, k_scale, slot + u, kv);
-      for (int g = 0; g < G; ++g) acc[g][u] = partial(g, kv);
+      for (int g = 0; g < G; ++g) acc[g][u] = lanes_of(g, kv);
     }
     for (int g = 0; g < G; ++g) _mm_storeu_ps(scores + g * len + t, Lanes::sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
   };
   auto score = [&](int64_t t, int64_t slot) {
     V kv[NV];
     load_slot(k, k_scale, slot, kv);
-    for (int g = 0; g < G; ++g) scores[g * len + t] = Lanes::sum(partial(g, kv));
+    for (int g = 0; g < G; ++g) scores[g * len + t] = Lanes::sum(lanes_of(g, kv));
   };
   for_each_token(table, len, block_size, k_span, score, score4);
-  float inv_sum[G];
-  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_unnormalized(scores + g * len, len);
+  float inv_sum[G], max[G];
+  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_unnormalized(scores + g * len, len, &max[g]);
   V acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) acc[g][i] = Lanes::set1(0.0f);
@@ -176,6 +192,11 @@ void attend_head(const uint16_t* q, const C* k, const C* v, const float* k_scale
   });
   for (int g = 0; g < G; ++g) {
     alignas(64) float row[D];
+    if (partial != nullptr) {
+      for (int i = 0; i < NV; ++i) Lanes::store(row + i * kLanes, acc[g][i]);
+      finish_head(row, max[g], inv_sum[g], reinterpret_cast<at::BFloat16*>(out), partial + g * (D + 2), D);
+      continue;
+    }
     for (int i = 0; i < NV; ++i) Lanes::store(row + i * kLanes, Lanes::mul(acc[g][i], Lanes::set1(inv_sum[g])));
     store_row(row, 1.0f, reinterpret_cast<at::BFloat16*>(out + g * D), D);
   }
@@ -183,7 +204,7 @@ void attend_head(const uint16_t* q, const C* k, const C* v, const float* k_scale
 
 template <typename C>
 using HeadKernel = void (*)(const uint16_t*, const C*, const C*, const float*, const float*, const int64_t*,
-                            int64_t, int64_t, int64_t, int64_t, float, uint16_t*, float*);
+                            int64_t, int64_t, int64_t, int64_t, float, uint16_t*, float*, float*);
 
 // The specialisation for (head_dim, group), or null where the generic loop serves.
 template <int D, typename C>
@@ -216,7 +237,7 @@ HeadKernel<C> head_kernel(int64_t d, int64_t group) {
 template <typename Q, typename C>
 void attend_row(const Q* q, const C* k, const C* v, const float* k_scale, const float* v_scale,
                 const int64_t* table, int64_t len, int64_t block_size, int64_t kv_heads, int64_t h0, int64_t h1,
-                int64_t group, int64_t d, float scale, Q* out, std::vector<float>& buf) {
+                int64_t group, int64_t d, float scale, Q* out, float* partial, std::vector<float>& buf) {
   const int64_t nh = h1 - h0, nq = nh * group;  // KV heads and query heads handled here
 #ifdef KVYARD_HEAD_KERNEL
   if constexpr (std::is_same_v<Q, at::BFloat16> && !std::is_same_v<C, float>) {
@@ -227,7 +248,8 @@ void attend_row(const Q* q, const C* k, const C* v, const float* k_scale, const 
       for (int64_t h = 0; h < nh; ++h) {
         kernel(reinterpret_cast<const uint16_t*>(q + h * group * d), reinterpret_cast<const Raw*>(k),
                reinterpret_cast<const Raw*>(v), k_scale, v_scale, table, len, block_size, kv_heads, h0 + h,
-               scale, reinterpret_cast<uint16_t*>(out + h * group * d), buf.data());
+               scale, reinterpret_cast<uint16_t*>(out + h * group * d), buf.data(),
+               partial == nullptr ? nullptr : partial + h * group * (d + 2));
       }
       return;
     }
@@ -256,8 +278,8 @@ void attend_row(const Q* q, const C* k, const C* v, const float* k_scale, const 
     load_heads(k, k_scale, slot);
     for (int64_t j = 0; j < nq; ++j) scores[j * len + t] = dot(qf + j * d, rows + (j / group) * d, d);
   });
-  std::vector<float> inv_sum(nq);
-  for (int64_t j = 0; j < nq; ++j) inv_sum[j] = softmax_unnormalized(scores + j * len, len);
+  std::vector<float> inv_sum(nq), max(nq);
+  for (int64_t j = 0; j < nq; ++j) inv_sum[j] = softmax_unnormalized(scores + j * len, len, &max[j]);
   std::fill(acc, acc + nq * d, 0.0f);
   for_each_token(table, len, block_size, span_of(v), [&](int64_t t, int64_t slot) {
     load_heads(v, v_scale, slot);
@@ -269,8 +291,32 @@ void attend_row(const Q* q, const C* k, const C* v, const float* k_scale, const 
       for (int64_t i = 0; i < d; ++i) aj[i] += p * row[i];
     }
   });
-  for (int64_t j = 0; j < nq; ++j) store_row(acc + j * d, inv_sum[j], out + j * d, d);
+  for (int64_t j = 0; j < nq; ++j)
+    finish_head(acc + j * d, max[j], inv_sum[j], out + j * d, partial == nullptr ? nullptr : partial + j * (d + 2), d);
 }
+
+// One query head's chunks {max, sum, acc} ([chunks, d + 2], `stride` floats apart) as one softmax: each chunk
+// weighted by exp(its max - the overall max), then rounded into out.
+template <typename Q>
+void merge_chunks(const float* partial, int64_t chunks, int64_t stride, int64_t d, Q* out, std::vector<float>& acc) {
+  float max = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < chunks; ++c) max = std::max(max, partial[c * stride]);
+  acc.assign(d, 0.0f);
+  float sum = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* part = partial + c * stride;
+    const float w = std::exp(part[0] - max);
+    sum += w * part[1];
+    for (int64_t i = 0; i < d; ++i) acc[i] += w * part[2 + i];
+  }
+  store_row(acc.data(), 1.0f / sum, out, d);
+}
+
+// Contexts longer than this are cut into chunks of about this many positions (whole blocks), each a work item of
+// its own, merged by their softmax maxima and sums: at a few rows a long context otherwise kept one thread per KV
+// head busy and the others idle. The cut depends on a row's length alone, never on the batch, so a row's result
+// does not depend on what it is batched with (speculative decoding and batching must not change outputs).
+constexpr int64_t kChunkTokens = 512;
 
 template <typename Q, typename C>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -284,18 +330,43 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const C* vp = v.data_ptr<C>();
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  // A work item is a whole row when there are rows enough to keep every thread busy, else one KV head.
+  // A work item is a chunk of a row's context (the whole context unless it is long) for all its KV heads when
+  // there are rows enough to keep every thread busy, else for one KV head.
   const int64_t split = rows >= 2 * at::get_num_threads() ? 1 : kv_heads;
   const int64_t per_item = kv_heads / split;
-  at::parallel_for(0, rows * split, 1, [&](int64_t begin, int64_t end) {
+  const int64_t chunk_blocks = std::max<int64_t>(1, kChunkTokens / block_size), chunk_len = chunk_blocks * block_size;
+  std::vector<int64_t> first_chunk(rows + 1, 0), chunk_row;  // chunk_row[c]: the row of chunk c
+  std::vector<int64_t> first_partial(rows, -1);             // where a chunked row's {max, sum, acc} start
+  int64_t partials = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t chunks = std::max<int64_t>(1, (lp[r] + chunk_len - 1) / chunk_len);
+    first_chunk[r + 1] = first_chunk[r] + chunks;
+    chunk_row.insert(chunk_row.end(), chunks, r);
+    if (chunks > 1) {
+      first_partial[r] = partials;
+      partials += chunks * heads * (d + 2);
+    }
+  }
+  std::vector<float> scratch(partials);
+  at::parallel_for(0, first_chunk[rows] * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / split, h0 = (item % split) * per_item;
-      attend_row<Q, C>(qp + r * q_row + h0 * group * d, kp, vp, k_scale, v_scale, tp + r * width, lp[r],
-                       block_size, kv_heads, h0, h0 + per_item, group, d, static_cast<float>(scale),
-                       op + (r * heads + h0 * group) * d, buf);
+      const int64_t chunk = item / split, r = chunk_row[chunk], c = chunk - first_chunk[r];
+      const int64_t h0 = (item % split) * per_item, t0 = c * chunk_len;
+      float* partial = first_partial[r] < 0 ? nullptr
+                                             : scratch.data() + first_partial[r] + (c * heads + h0 * group) * (d + 2);
+      attend_row<Q, C>(qp + r * q_row + h0 * group * d, kp, vp, k_scale, v_scale, tp + r * width + c * chunk_blocks,
+                       std::min(chunk_len, lp[r] - t0), block_size, kv_heads, h0, h0 + per_item, group, d,
+                       static_cast<float>(scale), op + (r * heads + h0 * group) * d, partial, buf);
     }
   });
+  std::vector<float> acc;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (first_partial[r] < 0) continue;
+    for (int64_t j = 0; j < heads; ++j)
+      merge_chunks(scratch.data() + first_partial[r] + j * (d + 2), first_chunk[r + 1] - first_chunk[r],
+                   heads * (d + 2), d, op + (r * heads + j) * d, acc);
+  }
 }
 
 // q [rows, heads, head_dim] (rows may be strided); k_cache / v_cache [slots, kv_heads, head_dim] in q's dtype, or int8 with

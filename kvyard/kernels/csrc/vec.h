@@ -94,11 +94,13 @@ inline float fast_exp(float x) {
   return tiny ? 0.0f : e * __builtin_bit_cast(float, bits);
 }
 
-// Softmax numerator in place: x[i] = exp(x[i] - max(x)); returns 1 / sum, the normaliser to apply later.
-inline float softmax_unnormalized(float* __restrict x, int64_t n) {
+// Softmax numerator in place: x[i] = exp(x[i] - max(x)); returns 1 / sum, the normaliser to apply later (and max(x)
+// at max_out, for merging softmaxes taken over parts of a row).
+inline float softmax_unnormalized(float* __restrict x, int64_t n, float* max_out = nullptr) {
   float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
   for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
+  if (max_out != nullptr) *max_out = m;
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
