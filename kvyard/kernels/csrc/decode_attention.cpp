@@ -63,6 +63,9 @@ inline void for_each_token(const int64_t* table, int64_t len, int64_t block_size
   }
 }
 
+// p + n, or null where p is (a row's chunk scratch, absent unless its context is cut into chunks).
+inline float* offset(float* p, int64_t n) { return p == nullptr ? nullptr : p + n; }
+
 // Where one query head's result goes: `acc` (the sum of exp(score - max) * v) scaled by inv_sum and rounded into
 // out, or, for one chunk of a long context (partial not null), kept in fp32 as {max, sum, acc} for merge_chunks.
 template <typename Q>
@@ -192,11 +195,12 @@ void attend_head(const uint16_t* q, const C* k, const C* v, const float* k_scale
   });
   for (int g = 0; g < G; ++g) {
     alignas(64) float row[D];
-    if (partial != nullptr) {
+    if (partial != nullptr) {  // a chunk: {max, sum, acc} kept in fp32 (finish_head)
       for (int i = 0; i < NV; ++i) Lanes::store(row + i * kLanes, acc[g][i]);
-      finish_head(row, max[g], inv_sum[g], reinterpret_cast<at::BFloat16*>(out), partial + g * (D + 2), D);
+      finish_head(row, max[g], inv_sum[g], reinterpret_cast<at::BFloat16*>(out + g * D), partial + g * (D + 2), D);
       continue;
     }
+    // the whole context: scaled by 1 / sum in registers, then rounded
     for (int i = 0; i < NV; ++i) Lanes::store(row + i * kLanes, Lanes::mul(acc[g][i], Lanes::set1(inv_sum[g])));
     store_row(row, 1.0f, reinterpret_cast<at::BFloat16*>(out + g * D), D);
   }
@@ -249,7 +253,7 @@ void attend_row(const Q* q, const C* k, const C* v, const float* k_scale, const 
         kernel(reinterpret_cast<const uint16_t*>(q + h * group * d), reinterpret_cast<const Raw*>(k),
                reinterpret_cast<const Raw*>(v), k_scale, v_scale, table, len, block_size, kv_heads, h0 + h,
                scale, reinterpret_cast<uint16_t*>(out + h * group * d), buf.data(),
-               partial == nullptr ? nullptr : partial + h * group * (d + 2));
+               offset(partial, h * group * (d + 2)));
       }
       return;
     }
@@ -292,7 +296,7 @@ void attend_row(const Q* q, const C* k, const C* v, const float* k_scale, const 
     }
   });
   for (int64_t j = 0; j < nq; ++j)
-    finish_head(acc + j * d, max[j], inv_sum[j], out + j * d, partial == nullptr ? nullptr : partial + j * (d + 2), d);
+    finish_head(acc + j * d, max[j], inv_sum[j], out + j * d, offset(partial, j * (d + 2)), d);
 }
 
 // One query head's chunks {max, sum, acc} ([chunks, d + 2], `stride` floats apart) as one softmax: each chunk
