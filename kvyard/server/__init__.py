@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: `kvyard serve`, or `build_app(AsyncEngine(...), ServerSettings())`."""
+"""The OpenAI-compatible HTTP server: `kvyard serve`, or `build_app(AsyncEngine.from_config(cfg), ServerSettings())`."""
 
 from kvyard.server.app import build_app
 from kvyard.server.async_engine import AsyncEngine, EngineStats

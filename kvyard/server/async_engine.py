@@ -1,7 +1,8 @@
 """`AsyncEngine`: the synchronous `LLMEngine` driven by a thread of its own, fed from asyncio.
 
 Threading model. The engine is not thread-safe, so exactly one thread, the engine thread, ever touches
-it. Everything else talks to that thread through two one-way channels:
+it, from building it on (so that one thread makes all of the process's parallel torch calls, see
+`__init__`). Everything else talks to that thread through two one-way channels:
 
 * commands in: a `queue.SimpleQueue` of `_Add` / `_Abort` / `_Stop`. An add carries a
   `concurrent.futures.Future` that the engine thread resolves with the outcome of `add_request`, so a
@@ -144,7 +145,28 @@ class _EnableKVEvents:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, build: Callable[[], LLMEngine]):
+        """Start the engine thread, which calls `build` and then serves; raises what `build` raised.
+
+        The engine is built on its own thread, not the caller's, so that every parallel torch call of the
+        process comes from one thread. libgomp keeps a pool of workers per thread that starts parallel
+        regions; with a second pool alive (the caller's, from building the model) it counts more threads
+        than cores and its workers stop spinning between regions and sleep instead. Each parallel call
+        then waits for a wake-up: SmolLM2 int4 decode steps took 18-20 ms on the engine thread against
+        5.5-6 ms on the thread that built the model (BENCHMARKS.md, session 21).
+        """
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop | _EnableKVEvents | _HeldKV] = queue.SimpleQueue()
+        self._kv_sink: Callable[[list[KVEvent]], None] | None = None
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stats = EngineStats()
+        self._stopped = threading.Event()
+        built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(build, built), name="kvyard-engine", daemon=True)
+        self._thread.start()
+        engine = built.result()
         self._engine = engine
         # Front-end copies of what callers need, so they never read engine state from another thread.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
@@ -156,21 +178,10 @@ class AsyncEngine:
         # The KV tensors themselves, for the KV transfer layer's thread (kvyard/disagg/): it reads only
         # blocks the engine holds for it, which the engine never writes while they are held.
         self.kv_caches = engine.runner.kv_caches
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop | _EnableKVEvents | _HeldKV] = queue.SimpleQueue()
-        self._kv_sink: Callable[[list[KVEvent]], None] | None = None
-        self._sinks: dict[str, _Sink] = {}  # engine thread only
-        self._pending = 0
-        self._pending_lock = threading.Lock()
-        self._ids = itertools.count()
-        self._stats = EngineStats()
-        self._stopped = threading.Event()
-        self._publish_stats()
-        self._thread = threading.Thread(target=self._run, name="kvyard-engine", daemon=True)
-        self._thread.start()
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "AsyncEngine":
-        return cls(LLMEngine(cfg))
+        return cls(lambda: LLMEngine(cfg))
 
     # ---- the front-end API (event loop side) ----------------------------------------------------------
 
@@ -266,7 +277,15 @@ class AsyncEngine:
 
     # ---- the engine thread ------------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], LLMEngine], built: "concurrent.futures.Future[LLMEngine]") -> None:
+        try:
+            self._engine = build()
+        except BaseException as e:
+            self._stopped.set()
+            built.set_exception(e)
+            return
+        self._publish_stats()
+        built.set_result(self._engine)
         try:
             while self._take_commands(block=not self._engine.has_unfinished_requests()):
                 if self._engine.has_unfinished_requests():

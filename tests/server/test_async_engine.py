@@ -2,16 +2,18 @@
 
 import asyncio
 import contextlib
+import threading
 
 import pytest
 
-from kvyard.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
+from kvyard.engine.llm_engine import LLMEngine
+from kvyard.errors import CheckpointError, EngineDeadError, InvalidRequestError, PromptTooLongError
 from kvyard.sampling_params import SamplingParams
-from kvyard.server.async_engine import RequestFailedError
+from kvyard.server.async_engine import AsyncEngine, RequestFailedError
 from tests.server.harness import wait_until
 from tests.server.test_load_and_cancel import engine_idle
 
-from .conftest import slow_down
+from .conftest import slow_down, tiny_engine_config
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -92,3 +94,31 @@ def test_shutdown_fails_open_requests_and_refuses_new_ones(make_engine):
 
     asyncio.run(main())
     assert not eng.is_running
+
+
+def test_the_engine_is_built_on_its_own_thread(tiny_path):
+    # One thread makes every parallel torch call (one libgomp pool; see AsyncEngine.__init__).
+    built_on = []
+
+    def build() -> LLMEngine:
+        built_on.append(threading.current_thread())
+        return LLMEngine(tiny_engine_config(tiny_path, num_threads=1))
+
+    eng = AsyncEngine(build)
+    try:
+        assert built_on == [eng._thread] and built_on[0] is not threading.current_thread()
+
+        async def main():
+            return [out async for out in eng.generate("The quick", GREEDY, "on-its-thread")]
+
+        assert len(asyncio.run(main())[-1].outputs[0].token_ids) == 8
+    finally:
+        eng.shutdown()
+
+
+def test_a_failing_build_raises_in_the_caller():
+    def build() -> LLMEngine:
+        raise CheckpointError("model.safetensors: truncated")
+
+    with pytest.raises(CheckpointError, match="truncated"):
+        AsyncEngine(build)
