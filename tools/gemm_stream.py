@@ -12,7 +12,8 @@ usage: python tools/gemm_stream.py            bf16: oneDNN's packed GEMM against
        python tools/gemm_stream.py --prefill  one layer of each shape at 48 to 512 rows (prefill chunks):
                                               PyTorch's F.linear on bf16 against the model's own forms of
                                               bf16, int8 and int4-g128 (where bf16 has no GEMM: MKL's fp32
-                                              GEMM on the widened or dequantized weight)
+                                              GEMM on the widened or dequantized weight); the VNNI-block
+                                              layers both dequantized to the dense GEMM and on their kernel
        python tools/gemm_stream.py --pages    the layer matmuls at 1 row, bf16, int8 and int4-g128 as the
                                               model holds them, on 4 KB pages against moved onto huge pages
        --qwen                                 Qwen2.5-0.5B's layer shapes (24 layers) instead of SmolLM2's
@@ -31,7 +32,14 @@ import torch.nn.functional as F
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.huge_pages import move_to_huge_pages, tensors_in
 from kvyard.models.linear import VnniWeight, Weight, linear, pack_weight
-from kvyard.quant.qlinear import Int4Linear, Int8Linear, PlainLowBitLinear, VnniLowBitLinear, make_linear
+from kvyard.quant.qlinear import (
+    Int4Linear,
+    Int8Linear,
+    PlainLowBitLinear,
+    VnniLowBitLinear,
+    dequantized_linear,
+    make_linear,
+)
 from kvyard.quant.qtensor import QuantizedTensor
 from kvyard.quant.scheme import parse_weight_scheme
 
@@ -83,11 +91,22 @@ def lowbit_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
     return forms
 
 
+def vnni_kernel(layer: VnniLowBitLinear) -> Matmul:
+    """The VNNI-block layer's own kernel at any row count (the layer itself may route prefill chunks elsewhere)."""
+    op = torch.ops.kvyard.amx_linear_lowbit if cpu_kernels.amx_available() else torch.ops.kvyard.vnni_lowbit_linear
+    return lambda x: op(x, layer.q, layer.scale, layer.zero, layer.bits, layer.group_size, layer.outlier_cols,
+                        layer.outliers)
+
+
 def prefill_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
     forms = lowbit_forms(dense)
     plain = [d.bfloat16() for d in dense]
+    vnni_layers = {name: f for name, f in forms.items() if name.endswith((" amx", " vnni"))}
     return {"bf16 F.linear": [lambda x, w=w: F.linear(x, w) for w in plain], "bf16": forms["bf16"],
-            **{name: f for name, f in forms.items() if name.endswith(" plain")}}
+            **{name: f for name, f in forms.items() if name.endswith(" plain")},
+            **{f"{name} dequantized": [lambda x, w=w: dequantized_linear(w, x) for w in ws]
+               for name, ws in vnni_layers.items()},
+            **{f"{name} kernel": [vnni_kernel(w) for w in ws] for name, ws in vnni_layers.items()}}
 
 
 def paged_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:

@@ -228,12 +228,13 @@ class VnniLowBitLinear(_KvyardLowBit):
                 and (cpu_kernels.amx_available() or cpu_kernels.vnni_lowbit_available()))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # The AVX-512 kernel takes every row count: widening the codes in registers beat dequantize-then-GEMM
-        # 2-10x from 64 to 512 rows on a 2-core AMD EPYC (Zen 4), within 1.0-1.3x of the bf16 kernel.
-        amx = _on_amx()
-        if x.dtype != torch.bfloat16 or (x.shape[0] > KERNEL_MAX_ROWS and amx):
+        # Both kernels take every row count. The AVX-512 one widens the codes in registers: 2-10x faster than
+        # dequantize-then-GEMM from 64 to 512 rows on a 2-core AMD EPYC (Zen 4), within 1.0-1.3x of the bf16
+        # kernel. The AMX one widens each column block once per call: SmolLM2's four layer shapes at 128 rows
+        # 1.2-1.35 ms against 12-14 ms dequantized, bf16 1.0 ms (tools/gemm_stream.py --prefill, session 21).
+        if x.dtype != torch.bfloat16:
             return dequantized_linear(self, x)
-        if amx:
+        if _on_amx():
             return torch.ops.kvyard.amx_linear_lowbit(x, self.q, self.scale, self.zero, self.bits, self.group_size,
                                                       self.outlier_cols, self.outliers)
         return torch.ops.kvyard.vnni_lowbit_linear(x, self.q, self.scale, self.zero, self.bits, self.group_size,

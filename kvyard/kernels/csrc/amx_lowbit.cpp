@@ -7,8 +7,8 @@
 // x * (q - zp) * scale with no rounded weight in between, which is what PyTorch's own int8/int4 CPU
 // kernels compute. int8 steps of 1-4 rows skip the tiles for AVX-512 dot products on the same bytes (gemv8,
 // below); one int4 row takes the AVX-512 kernel's int16 loop (vnni_lowbit.cpp) instead. Outlier columns
-// (vnni_blocks.h's Outliers) are added to each block's fp32 sums before they are rounded, as the AVX-512 kernel adds
-// them.
+// (vnni_blocks.h's Outliers) are added to each block's fp32 sums before they are rounded, on the tiles too.
+// Every row count takes this kernel, prefill chunks included (see kWidenWholeRows).
 //
 // Layouts (built by kvyard/quant/qlinear.py): int8 q in amx.h's VNNI blocks, [N/32, K/2, 32, 2] int8;
 // int4 q + 8 in the same order, two per byte, [N/32, K/2, 32] uint8: byte i of a 64-value VNNI row holds
@@ -109,32 +109,77 @@ inline void store16(__m512 v, uint16_t* out) {
   store_row(tmp, 1.0f, reinterpret_cast<at::BFloat16*>(out), 16);
 }
 
-// One row's fp32 sums of block nb (32 columns at y) plus the block's kept columns, rounded to bf16 at out.
-inline void store_block_row(const float* y, const Outliers& o, const uint32_t* xo, int64_t nb, uint16_t* out) {
-  __m512 v[2] = {_mm512_loadu_ps(y), _mm512_loadu_ps(y + 16)};
-  add_outlier_pairs(o, v, xo, nb, 0, o.pairs);
-  for (int h = 0; h < 2; ++h) store16(v[h], out + 16 * h);
+template <int kBits>
+constexpr int64_t kPackedKBlock = kBTileElems * kBits / 8;  // one k block of a 32-column block, packed
+constexpr int64_t kTilePairs = kTileK / 2;                   // pairs of k per tile row
+
+// What every block of one call shares.
+struct TileCall {
+  const uint16_t* x;
+  LowBitWeight w;
+  Outliers o;
+  std::vector<float> sums;    // [m, groups]: each row's sum over each group, where the epilogue needs it
+  int64_t kept_pairs;         // o.pairs rounded up to whole tile k blocks
+  std::vector<uint32_t> xo;   // x's kept values as bf16 pairs, [m, kept_pairs], zero-padded
+  int64_t n, k;
+  uint16_t* out;
+};
+
+// One thread's buffers.
+struct TileScratch {
+  uint16_t* wide;  // kWidenBlocks k blocks of bf16, or a whole column block when `widened`
+  bool widened;
+  alignas(64) float c[2 * kTileRows * kBlockCols];
+  alignas(64) float acc[2 * kTileRows * kBlockCols];
+  alignas(64) uint16_t kept_tail[kBTileElems] = {};  // the last, partial k block of kept pairs, zero-padded
+};
+
+// Widens k blocks [kb, kb + count) of column block nb into wide, asking for the codes ahead of use.
+template <int kBits>
+void widen_blocks(const LowBitWeight& w, int64_t nb, int64_t k_blocks, int64_t kb, int64_t count, uint16_t* wide) {
+  const uint8_t* b = w.q + (nb * k_blocks + kb) * kPackedKBlock<kBits>;
+  prefetch_ahead(b, count * kPackedKBlock<kBits>);
+  widen<kBits>(b, wide, count);
 }
 
+// c = x's kept values . column block nb's kept weights, on the tiles: the pairs are laid out as B tiles' rows
+// already, so whole k blocks are read in place and the last partial one from a zero-padded copy. (A VDPBF16PS
+// per pair and row took 5 % kept columns to ~1.5x the layers' time at 512 rows.)
+template <bool kTwoRowBlocks>
+void kept_columns(const TileCall& call, int64_t nb, int64_t m0, TileScratch& s) {
+  const Outliers& o = call.o;
+  const uint16_t* b = o.weights + nb * o.pairs * kBlockCols * 2;
+  const auto* a = reinterpret_cast<const uint16_t*>(call.xo.data() + m0 * call.kept_pairs);
+  const int64_t a_stride = call.kept_pairs * 4, whole = o.pairs / kTilePairs, tail = o.pairs % kTilePairs;
+  zero_c<kTwoRowBlocks>();
+  accumulate<kTwoRowBlocks>(a, a_stride, b, whole, false);
+  if (tail > 0) {
+    std::copy(b + whole * kBTileElems, b + whole * kBTileElems + tail * kBlockCols * 2, s.kept_tail);
+    accumulate<kTwoRowBlocks>(a + whole * kTileK, a_stride, s.kept_tail, 1, false);
+  }
+  store_c<kTwoRowBlocks>(s.c);
+}
+
+// One or two 16-row blocks of x against column block nb, rounded into out. `s.widened`: `s.wide` holds the whole
+// block in bf16 already (see kWidenWholeRows); otherwise each group's k blocks are widened here, kWidenBlocks at a
+// time, into a buffer that stays in L1.
 template <int kBits, bool kTwoRowBlocks>
-void block_rows(const uint16_t* x, const LowBitWeight& w, const std::vector<float>& sums, const Outliers& o,
-                const uint32_t* xo, int64_t nb, int64_t m0, int64_t rows, int64_t n, int64_t k, uint16_t* wide, float* c,
-                float* acc, uint16_t* out) {
+void block_rows(const TileCall& call, int64_t nb, int64_t m0, int64_t rows, TileScratch& s) {
+  const LowBitWeight& w = call.w;
+  const int64_t n = call.n, k = call.k;
   const int64_t groups = num_groups(k, w.group), group_blocks = w.group / kTileK, k_blocks = k / kTileK;
-  const int64_t kb_bytes = kBTileElems * kBits / 8;
-  const uint8_t* b = w.q + nb * k_blocks * kb_bytes;
   const int64_t n0 = nb * kBlockCols;
-  std::fill(acc, acc + rows * kBlockCols, 0.0f);
+  std::fill(s.acc, s.acc + rows * kBlockCols, 0.0f);
   for (int64_t g = 0; g < groups; ++g) {
     zero_c<kTwoRowBlocks>();
     const int64_t group_end = std::min((g + 1) * group_blocks, k_blocks);
     for (int64_t kb = g * group_blocks; kb < group_end; kb += kWidenBlocks) {
       const int64_t count = std::min(kWidenBlocks, group_end - kb);
-      if (m0 == 0) prefetch_ahead(b + kb * kb_bytes, count * kb_bytes);  // later row blocks find it in cache
-      widen<kBits>(b + kb * kb_bytes, wide, count);
-      accumulate<kTwoRowBlocks>(x + m0 * k + kb * kTileK, k * 2, wide, count, false);
+      if (!s.widened) widen_blocks<kBits>(w, nb, k_blocks, kb, count, s.wide);
+      accumulate<kTwoRowBlocks>(call.x + m0 * k + kb * kTileK, k * 2, s.widened ? s.wide + kb * kBTileElems : s.wide,
+                                count, false);
     }
-    store_c<kTwoRowBlocks>(c);
+    store_c<kTwoRowBlocks>(s.c);
     // y += scale * (c - offset * sum) + zero * sum, with the offset the int4 widening added
     const float* scale = w.scale + g * n + n0;
     const float* zero = w.zero != nullptr ? w.zero + g * n + n0 : nullptr;
@@ -142,40 +187,69 @@ void block_rows(const uint16_t* x, const LowBitWeight& w, const std::vector<floa
     alignas(64) float sum_coef[kBlockCols];
     for (int64_t j = 0; j < kBlockCols; ++j) sum_coef[j] = (zero != nullptr ? zero[j] : 0.0f) - kOffset * scale[j];
     for (int64_t r = 0; r < rows; ++r) {
-      float* ar = acc + r * kBlockCols;
-      const float* cr = c + r * kBlockCols;
-      const float sum = sums.empty() ? 0.0f : sums[(m0 + r) * groups + g];
+      float* ar = s.acc + r * kBlockCols;
+      const float* cr = s.c + r * kBlockCols;
+      const float sum = call.sums.empty() ? 0.0f : call.sums[(m0 + r) * groups + g];
 #pragma omp simd
       for (int64_t j = 0; j < kBlockCols; ++j) ar[j] += cr[j] * scale[j] + sum_coef[j] * sum;
     }
   }
-  for (int64_t r = 0; r < rows; ++r) store_block_row(acc + r * kBlockCols, o, xo + (m0 + r) * o.pairs, nb, out + (m0 + r) * n + n0);
+  if (call.o.count > 0) {
+    kept_columns<kTwoRowBlocks>(call, nb, m0, s);
+    for (int64_t i = 0; i < rows * kBlockCols; ++i) s.acc[i] += s.c[i];
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    store_row(s.acc + r * kBlockCols, 1.0f, reinterpret_cast<at::BFloat16*>(call.out + (m0 + r) * n + n0), kBlockCols);
 }
 
-// Each thread takes a share of the 32-column blocks and reads its part of the weight once per 32 rows.
+// Past this many rows a call widens each column block whole (64 KB of bf16 per 1,024 of k, in L2) once for all
+// of its row blocks; up to it, every 32-row block widens k chunk by k chunk in step with its tiles (in L1). SmolLM2's
+// four layer shapes (tools/gemm_stream.py --prefill, int8 / int4-g128): at 512 rows 3.28 / 3.25 ms whole against
+// 3.79 / 3.62 chunked, at 128 rows 1.35 / 1.21 against 1.32 / 1.05, at 48 rows 0.91 / 0.56 against 0.76 / 0.50.
+constexpr int64_t kWidenWholeRows = 128;
+
+// Each thread takes a share of the 32-column blocks.
 template <int kBits>
-void lowbit_matmul(const uint16_t* x, const LowBitWeight& w, const Outliers& o, uint16_t* out, int64_t m, int64_t n,
-                   int64_t k) {
-  const std::vector<float> sums = w.zero != nullptr || kBits == 4 ? group_sums(x, m, k, w.group) : std::vector<float>();
-  const std::vector<uint32_t> xo = o.gather(x, m, k);
+void lowbit_rows(const uint16_t* x, const LowBitWeight& w, const Outliers& o, uint16_t* out, int64_t m, int64_t n,
+                 int64_t k) {
+  const int64_t kept_pairs = (o.pairs + kTilePairs - 1) / kTilePairs * kTilePairs;
+  const TileCall call{x, w, o,
+                      w.zero != nullptr || kBits == 4 ? group_sums(x, m, k, w.group) : std::vector<float>(),
+                      kept_pairs, o.gather(x, m, k, kept_pairs), n, k, out};
+  const int64_t k_blocks = k / kTileK;
+  const bool widen_whole = m > kWidenWholeRows;
   at::parallel_for(0, n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) uint16_t wide[kWidenBlocks * kBTileElems];  // 16 KB
-    alignas(64) float c[2 * kTileRows * kBlockCols];
-    alignas(64) float acc[2 * kTileRows * kBlockCols];
+    std::vector<__m512i> wide((widen_whole ? k_blocks : kWidenBlocks) * kBTileElems / 32);  // 64-byte aligned
+    TileScratch s{reinterpret_cast<uint16_t*>(wide.data()), widen_whole};
     int64_t configured_rows = -1;
     for (int64_t nb = begin; nb < end; ++nb) {
+      if (widen_whole)
+        for (int64_t kb = 0; kb < k_blocks; kb += kWidenBlocks)
+          widen_blocks<kBits>(w, nb, k_blocks, kb, std::min(kWidenBlocks, k_blocks - kb), s.wide + kb * kBTileElems);
       for (int64_t m0 = 0; m0 < m; m0 += 2 * kTileRows) {
         const int64_t rows = std::min<int64_t>(2 * kTileRows, m - m0);
         configure_for(rows, configured_rows);
         if (rows > kTileRows) {
-          block_rows<kBits, true>(x, w, sums, o, xo.data(), nb, m0, rows, n, k, wide, c, acc, out);
+          block_rows<kBits, true>(call, nb, m0, rows, s);
         } else {
-          block_rows<kBits, false>(x, w, sums, o, xo.data(), nb, m0, rows, n, k, wide, c, acc, out);
+          block_rows<kBits, false>(call, nb, m0, rows, s);
         }
       }
     }
     _tile_release();
   });
+}
+
+// Rows are taken this many at a time, so that a chunk of x stays in L2 while every column block passes over it
+// (each block widened once per chunk). All 2,048 rows of a prefill step at once streamed x from L3 for every
+// block: SmolLM2 int4-g128 layers took 5.2 ms a call on average, against 3.5 ms per 4 calls at 512 rows.
+constexpr int64_t kRowChunk = 256;
+
+template <int kBits>
+void lowbit_matmul(const uint16_t* x, const LowBitWeight& w, const Outliers& o, uint16_t* out, int64_t m, int64_t n,
+                   int64_t k) {
+  for (int64_t m0 = 0; m0 < m; m0 += kRowChunk)
+    lowbit_rows<kBits>(x + m0 * k, w, o, out + m0 * n, std::min(kRowChunk, m - m0), n, k);
 }
 
 // ---- int8, a few rows (a batch-1 decode): AVX-512 dot products on the packed bytes, no tiles ----

@@ -94,12 +94,14 @@ struct Outliers {
   const uint16_t* weights = nullptr;
   int64_t count = 0, pairs = 0;
 
-  // x's values at the kept columns as bf16 pairs, [rows, P]: the broadcast operand of VDPBF16PS.
-  std::vector<uint32_t> gather(const uint16_t* x, int64_t m, int64_t k) const {
-    std::vector<uint32_t> xo(m * pairs, 0);
+  // x's values at the kept columns as bf16 pairs, [rows, row_pairs] (row_pairs >= P; the rest zero): the broadcast
+  // operand of VDPBF16PS, or (rows padded to whole tile k blocks) the A tiles of the AMX kernel.
+  std::vector<uint32_t> gather(const uint16_t* x, int64_t m, int64_t k, int64_t row_pairs = -1) const {
+    if (row_pairs < 0) row_pairs = pairs;
+    std::vector<uint32_t> xo(m * row_pairs, 0);
     auto* halves = reinterpret_cast<uint16_t*>(xo.data());
     for (int64_t r = 0; r < m; ++r)
-      for (int64_t j = 0; j < count; ++j) halves[r * 2 * pairs + j] = x[r * k + cols[j]];
+      for (int64_t j = 0; j < count; ++j) halves[r * 2 * row_pairs + j] = x[r * k + cols[j]];
     return xo;
   }
 };
