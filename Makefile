@@ -8,7 +8,7 @@ PROMPT ?= Explain in two sentences what a KV cache is.
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: test serve generate lint model bench clean peers bench-serve
+.PHONY: test serve generate lint model bench clean peers bench-serve llama-server
 
 $(PY):
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -61,19 +61,42 @@ endif
 
 peers: $(PEERS_STAMP)
 
+# llama.cpp's own C++ server, the stronger peer: continuous batching over parallel slots (-np). Built from the
+# llama.cpp sources vendored in the same llama-cpp-python sdist, with the same CPU flags; no web UI (nothing to
+# download at build time). About 5 minutes on 2 cores.
+LLAMA_SERVER_DIR := .peers-build
+LLAMA_SERVER := $(LLAMA_SERVER_DIR)/llama-server
+LLAMA_CPP_SRC := $(LLAMA_SERVER_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp
+
+$(LLAMA_SERVER): $(PY)
+	mkdir -p $(LLAMA_SERVER_DIR)
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: 'llama-cpp-python==$(LLAMA_CPP_VERSION)' \
+		-d $(LLAMA_SERVER_DIR)
+	tar xzf $(LLAMA_SERVER_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_SERVER_DIR)
+	cmake -S $(LLAMA_CPP_SRC) -B $(LLAMA_SERVER_DIR)/build -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+		-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+		$(LLAMA_CPP_CMAKE_ARGS)
+	cmake --build $(LLAMA_SERVER_DIR)/build --target llama-server -j 2
+	cp $(LLAMA_SERVER_DIR)/build/bin/llama-server $@
+
+llama-server: $(LLAMA_SERVER)
+
 # kvyard against llama.cpp's server on the same GGUF, one server at a time, rounds alternating.
 # llama-cpp-python's server runs one request at a time (a lock around its one context); its default
 # --interrupt_requests true would cut the running stream short whenever another request queues, and its
 # default --logits_all true computes the LM head for every prompt token.
+# llama-server batches its slots continuously: one slot per concurrent request, each with 512 tokens of context.
 SERVE_ARGS ?= --workload random --input-len 128 --output-len 64 --concurrency 32 --num-requests 128 --rounds 2 \
 	--tokenizer $(MODEL) --timeout 900
-bench-serve: $(STAMP) model peers
+LLAMA_SERVER_ARGS ?= -t 2 -tb 2 -np 32 -c 16384 -b 512 --no-webui
+bench-serve: $(STAMP) model peers $(LLAMA_SERVER)
 	gguf=$$($(VENV)/bin/kvyard fetch $(MODEL)) && $(VENV)/bin/kvyard bench serve-compare \
 		--system "kvyard=$(VENV)/bin/kvyard serve --model $(MODEL) --port {port} --log-level warning" \
-		--system "llama.cpp=$(PEERS_VENV)/bin/python -m llama_cpp.server --model $$gguf --host 127.0.0.1 \
+		--system "llama-server=$(LLAMA_SERVER) -m $$gguf --host 127.0.0.1 --port {port} $(LLAMA_SERVER_ARGS)" \
+		--system "llama-cpp-python=$(PEERS_VENV)/bin/python -m llama_cpp.server --model $$gguf --host 127.0.0.1 \
 		--port {port} --n_threads 2 --n_threads_batch 2 --n_ctx 4096 --n_batch 512 --logits_all false \
 		--interrupt_requests false" \
 		--out-dir bench-results/serve-compare $(SERVE_ARGS)
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS_VENV) $(LLAMA_SERVER_DIR) .pytest_cache .ruff_cache
