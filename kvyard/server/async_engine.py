@@ -166,8 +166,7 @@ class AsyncEngine:
         built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(build, built), name="kvyard-engine", daemon=True)
         self._thread.start()
-        engine = built.result()
-        self._engine = engine
+        engine = built.result()  # the engine thread has set self._engine
         # Front-end copies of what callers need, so they never read engine state from another thread.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.model_config = engine.model_config
