@@ -8,6 +8,7 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -31,6 +32,9 @@ def add_offline_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peers", default="hf", help="comma list of hf, llama.cpp, or none")
     p.add_argument("--hf-in-process", action="store_true",
                    help="run HF in this process (under kvyard's malloc settings) instead of its own")
+    p.add_argument("--llama-cpp-gguf", default=None,
+                   help="the GGUF file llama.cpp runs (default: the model, when it is a GGUF file), e.g. the source of "
+                        "a quantized kvyard directory")
     p.add_argument("--json-out", default=None)
     add_engine_args(p)
     p.set_defaults(func=run_offline_bench)
@@ -103,10 +107,12 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     lcpp = None
     notes = []
     if "llama.cpp" in wanted:
-        if llm.engine.model_path.suffix == ".gguf" and peers.llama_cpp_available():
-            lcpp = peers.LlamaCppPeer(llm.engine.model_path, torch.get_num_threads())
+        gguf = Path(args.llama_cpp_gguf) if args.llama_cpp_gguf else llm.engine.model_path
+        python = peers.llama_cpp_python()
+        if gguf.suffix == ".gguf" and python is not None:
+            lcpp = peers.LlamaCppPeer(gguf, torch.get_num_threads(), python)
         else:
-            notes.append("llama.cpp skipped: needs llama-cpp-python and a GGUF model")
+            notes.append("llama.cpp skipped: needs llama-cpp-python (`make peers`) and a GGUF file (--llama-cpp-gguf)")
     # Warm-up at full size, so one-time costs (kernel setup per shape, allocator growth) hit no round.
     warm, _ = workload(seed=args.repeats + 1)
     kvyard_batch(llm, warm)
@@ -130,9 +136,12 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         rounds.append(row)
     if hf is not None:
         hf.close()
+    if lcpp is not None:
+        lcpp.close()
     med = _median_summary(rounds)
     result = {
         "model": llm.engine.model_path.name,
+        "llama_cpp_gguf": None if lcpp is None else gguf.name,
         "dtype": str(cfg.dtype).removeprefix("torch."),
         "workload": {"num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
                      "range_ratio": args.range_ratio, "input_tokens": work.input_tokens,

@@ -1,6 +1,9 @@
 """Peers measured in the same run as kvyard: HF transformers generate and, if installed, llama.cpp."""
 
+import json
 import multiprocessing
+import subprocess
+import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -113,38 +116,49 @@ def _serve_hf(conn: Connection, model_path: Path, dtype: torch.dtype, threads: i
             conn.send((False, f"{type(exc).__name__}: {exc}"))
 
 
-def llama_cpp_available() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
+# Where `make peers` installs llama-cpp-python: a venv of its own, beside the repository's .venv.
+PEERS_PYTHON = Path(__file__).resolve().parents[2] / ".peers-venv" / "bin" / "python"
+
+
+def llama_cpp_python() -> str | None:
+    """A Python that imports llama_cpp: this one, else the peers venv's; None when there is neither."""
+    for python in (sys.executable, str(PEERS_PYTHON)):
+        if Path(python).exists() and subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0:
+            return python
+    return None
 
 
 class LlamaCppPeer:
-    """llama-cpp-python on the same GGUF: sequential generation, as its Python API offers."""
+    """llama-cpp-python on a GGUF file, generating one prompt at a time as its Python API offers, in a process of
+    its own under `python` (kvyard/bench/llama_cpp_worker.py): llama-cpp-python usually lives in another venv."""
 
-    def __init__(self, gguf_path: Path, threads: int):
-        from llama_cpp import Llama
+    def __init__(self, gguf_path: Path, threads: int, python: str):
+        worker = Path(__file__).with_name("llama_cpp_worker.py")
+        self._proc = subprocess.Popen([python, str(worker), str(gguf_path), str(threads)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+        self._read()
 
-        self.llm = Llama(model_path=str(gguf_path), n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
+    def _read(self) -> dict:
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        reply = json.loads(line) if line else {"error": f"exited with {self._proc.wait()}"}
+        if "error" in reply:
+            raise RuntimeError(f"llama.cpp peer process: {reply['error']}")
+        return reply
 
     def batch1(self, work: Workload) -> dict:
-        itls: list[float] = []
-        tokens = 0
-        start = time.perf_counter()
-        for prompt, n_out in zip(work.prompts, work.output_lens, strict=True):
-            last = None
-            n = 0
-            for _ in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-                now = time.perf_counter()
-                if last is not None:
-                    itls.append(now - last)
-                last = now
-                n += 1
-                if n >= n_out:
-                    break
-            tokens += n
-        elapsed = time.perf_counter() - start
-        itls.sort()
-        return {"output_tokens_per_s": tokens / elapsed, "itl_ms_p50": 1000 * itls[len(itls) // 2]}
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps({"prompts": work.prompts, "output_lens": work.output_lens}) + "\n")
+        self._proc.stdin.flush()
+        reply = self._read()
+        itls = sorted(reply["itls"])
+        return {"output_tokens": reply["tokens"], "output_tokens_per_s": reply["tokens"] / reply["seconds"],
+                "itl_ms_p50": 1000 * itls[len(itls) // 2]}
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
