@@ -150,3 +150,19 @@ def test_outlier_columns_are_added_in_full_precision(name, rows, cols):
     exact = x.double() @ served.double().T
     assert _within_kernel_rounding(lin(x), exact, ulps=2)
     assert torch.allclose(lin.dequantize(torch.float32), served, atol=1e-6)
+
+
+@pytest.mark.skipif(not AMX, reason="the AMX kernel's tiles")
+@pytest.mark.parametrize("name", SCHEMES)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(name):
+    """On the tiles each row's sums run in the same order whatever else is in the call, so a prompt gives the same
+    layer outputs whole (300 rows: column blocks widened once, rows 256 at a time) or in prefill chunks of any size
+    the tiles take (int8 below 5 rows, and one int4 row, take the vector loops instead)."""
+    g = torch.Generator().manual_seed(7)
+    qt = QuantizedTensor.quantize(torch.randn(96, 576, generator=g), parse_weight_scheme(name),
+                                  torch.tensor([3, 40, 41, 300]))
+    lin = make_linear(qt, torch.bfloat16, CPU)
+    x = torch.randn(300, 576, generator=g).bfloat16()
+    whole = lin(x)
+    for a, b in [(0, 5), (5, 21), (21, 64), (64, 200), (200, 300), (17, 290)]:
+        assert torch.equal(lin(x[a:b]), whole[a:b]), (a, b)
