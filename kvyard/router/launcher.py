@@ -19,6 +19,8 @@ import httpx
 
 from kvyard.errors import KvyardError
 
+SHARED_CORES_SPIN_COUNT = 10000
+
 
 @dataclass
 class ClusterSpec:
@@ -45,6 +47,20 @@ class ClusterSpec:
             return os.cpu_count() or 1
         return max(1, (os.cpu_count() or 1) // self.replicas)
 
+    def worker_env(self) -> dict[str, str]:
+        """The workers' environment. Workers that share cores (more threads in all than cores) get a shorter libgomp
+        spin: after each parallel region an idle thread spins up to 300,000 rounds by default (milliseconds), taking
+        the core from the other worker when that one has work; 10,000 still bridges a decode step's regions. With
+        the default, `kvyard bench disagg --threads shared` gave the streams' ITL p99 0.27x colocated's and long
+        prompts 6.5x the TTFT; with 100 (libgomp's own short spin) short-only throughput fell to 0.55x; with 10,000
+        ITL p99 3.14x better, short-only 0.94x (BENCHMARKS.md, session 21). A worker alone on its cores keeps the
+        default, which its decode steps need (kvyard/server/async_engine.py)."""
+        env = dict(os.environ)
+        shares_cores = self.threads() * self.replicas > (os.cpu_count() or 1)
+        if shares_cores and "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
+            env["GOMP_SPINCOUNT"] = str(SHARED_CORES_SPIN_COUNT)
+        return env
+
     def worker_urls(self) -> list[str]:
         return [f"http://{self.host}:{self.worker_port + i}" for i in range(self.replicas)]
 
@@ -61,12 +77,13 @@ def kvyard_command(*args: str) -> list[str]:
 
 
 class ChildProcess:
-    def __init__(self, name: str, cmd: list[str], log_path: Path | None):
+    def __init__(self, name: str, cmd: list[str], log_path: Path | None, env: dict[str, str] | None = None):
         self.name = name
         self.cmd = cmd
         self.log: IO[str] | None = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             cmd,
+            env=env,
             stdout=self.log,
             stderr=subprocess.STDOUT if self.log else None,
             stdin=subprocess.DEVNULL,
@@ -112,7 +129,7 @@ class Cluster:
                 *s.serve_args,
             )
             log = s.log_dir / f"worker{i}.log" if s.log_dir else None
-            self.workers.append(ChildProcess(f"{s.roles[i]} worker {i} ({url})", cmd, log))
+            self.workers.append(ChildProcess(f"{s.roles[i]} worker {i} ({url})", cmd, log, s.worker_env()))
         return s.worker_urls()
 
     def start_router(self, port: int, policy: str, route_args: list[str] = ()) -> str:  # type: ignore[assignment]
