@@ -91,13 +91,6 @@ def lowbit_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
     return forms
 
 
-def vnni_kernel(layer: VnniLowBitLinear) -> Matmul:
-    """The VNNI-block layer's own kernel at any row count (the layer itself may route prefill chunks elsewhere)."""
-    op = torch.ops.kvyard.amx_linear_lowbit if cpu_kernels.amx_available() else torch.ops.kvyard.vnni_lowbit_linear
-    return lambda x: op(x, layer.q, layer.scale, layer.zero, layer.bits, layer.group_size, layer.outlier_cols,
-                        layer.outliers)
-
-
 def prefill_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
     forms = lowbit_forms(dense)
     plain = [d.bfloat16() for d in dense]
@@ -106,7 +99,7 @@ def prefill_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
             **{name: f for name, f in forms.items() if name.endswith(" plain")},
             **{f"{name} dequantized": [lambda x, w=w: dequantized_linear(w, x) for w in ws]
                for name, ws in vnni_layers.items()},
-            **{f"{name} kernel": [vnni_kernel(w) for w in ws] for name, ws in vnni_layers.items()}}
+            **{f"{name} kernel": ws for name, ws in vnni_layers.items()}}  # the layers take every row count
 
 
 def paged_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:

@@ -142,21 +142,24 @@ void widen_blocks(const LowBitWeight& w, int64_t nb, int64_t k_blocks, int64_t k
   widen<kBits>(b, wide, count);
 }
 
-// c = x's kept values . column block nb's kept weights, on the tiles: the pairs are laid out as B tiles' rows
-// already, so whole k blocks are read in place and the last partial one from a zero-padded copy. (A VDPBF16PS
-// per pair and row took 5 % kept columns to ~1.5x the layers' time at 512 rows.)
-template <bool kTwoRowBlocks>
-void kept_columns(const TileCall& call, int64_t nb, int64_t m0, TileScratch& s) {
-  const Outliers& o = call.o;
+// Column block nb's kept weights: the pairs are laid out as B tiles' rows already, so whole k blocks are read in
+// place; the last partial one is copied zero-padded into s.kept_tail, once per block for all of its row blocks.
+inline const uint16_t* kept_weights(const Outliers& o, int64_t nb, TileScratch& s) {
   const uint16_t* b = o.weights + nb * o.pairs * kBlockCols * 2;
+  const int64_t whole = o.pairs / kTilePairs, tail = o.pairs % kTilePairs;
+  std::copy(b + whole * kBTileElems, b + whole * kBTileElems + tail * kBlockCols * 2, s.kept_tail);
+  return b;
+}
+
+// c = x's kept values . the block's kept weights `b` (kept_weights), on the tiles. (A VDPBF16PS per pair and row
+// took 5 % kept columns to ~1.5x the layers' time at 512 rows.)
+template <bool kTwoRowBlocks>
+void kept_columns(const TileCall& call, const uint16_t* b, int64_t m0, TileScratch& s) {
   const auto* a = reinterpret_cast<const uint16_t*>(call.xo.data() + m0 * call.kept_pairs);
-  const int64_t a_stride = call.kept_pairs * 4, whole = o.pairs / kTilePairs, tail = o.pairs % kTilePairs;
+  const int64_t a_stride = call.kept_pairs * 4, whole = call.o.pairs / kTilePairs;
   zero_c<kTwoRowBlocks>();
   accumulate<kTwoRowBlocks>(a, a_stride, b, whole, false);
-  if (tail > 0) {
-    std::copy(b + whole * kBTileElems, b + whole * kBTileElems + tail * kBlockCols * 2, s.kept_tail);
-    accumulate<kTwoRowBlocks>(a + whole * kTileK, a_stride, s.kept_tail, 1, false);
-  }
+  if (call.o.pairs % kTilePairs > 0) accumulate<kTwoRowBlocks>(a + whole * kTileK, a_stride, s.kept_tail, 1, false);
   store_c<kTwoRowBlocks>(s.c);
 }
 
@@ -164,7 +167,7 @@ void kept_columns(const TileCall& call, int64_t nb, int64_t m0, TileScratch& s) 
 // block in bf16 already (see kWidenWholeRows); otherwise each group's k blocks are widened here, kWidenBlocks at a
 // time, into a buffer that stays in L1.
 template <int kBits, bool kTwoRowBlocks>
-void block_rows(const TileCall& call, int64_t nb, int64_t m0, int64_t rows, TileScratch& s) {
+void block_rows(const TileCall& call, int64_t nb, const uint16_t* kept, int64_t m0, int64_t rows, TileScratch& s) {
   const LowBitWeight& w = call.w;
   const int64_t n = call.n, k = call.k;
   const int64_t groups = num_groups(k, w.group), group_blocks = w.group / kTileK, k_blocks = k / kTileK;
@@ -194,8 +197,8 @@ void block_rows(const TileCall& call, int64_t nb, int64_t m0, int64_t rows, Tile
       for (int64_t j = 0; j < kBlockCols; ++j) ar[j] += cr[j] * scale[j] + sum_coef[j] * sum;
     }
   }
-  if (call.o.count > 0) {
-    kept_columns<kTwoRowBlocks>(call, nb, m0, s);
+  if (kept != nullptr) {
+    kept_columns<kTwoRowBlocks>(call, kept, m0, s);
     for (int64_t i = 0; i < rows * kBlockCols; ++i) s.acc[i] += s.c[i];
   }
   for (int64_t r = 0; r < rows; ++r)
@@ -226,13 +229,14 @@ void lowbit_rows(const uint16_t* x, const LowBitWeight& w, const Outliers& o, ui
       if (widen_whole)
         for (int64_t kb = 0; kb < k_blocks; kb += kWidenBlocks)
           widen_blocks<kBits>(w, nb, k_blocks, kb, std::min(kWidenBlocks, k_blocks - kb), s.wide + kb * kBTileElems);
+      const uint16_t* kept = o.count > 0 ? kept_weights(o, nb, s) : nullptr;
       for (int64_t m0 = 0; m0 < m; m0 += 2 * kTileRows) {
         const int64_t rows = std::min<int64_t>(2 * kTileRows, m - m0);
         configure_for(rows, configured_rows);
         if (rows > kTileRows) {
-          block_rows<kBits, true>(call, nb, m0, rows, s);
+          block_rows<kBits, true>(call, nb, kept, m0, rows, s);
         } else {
-          block_rows<kBits, false>(call, nb, m0, rows, s);
+          block_rows<kBits, false>(call, nb, kept, m0, rows, s);
         }
       }
     }
