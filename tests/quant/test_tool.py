@@ -12,6 +12,7 @@ from kvyard.llm import LLM
 from kvyard.quant.calib import valid_tool_call
 from kvyard.quant.tool import QuantizeOptions, load_reference, quantize_model, saved_fidelity
 from kvyard.sampling_params import SamplingParams
+from tests.quant.same_kl import same_kl
 
 
 def _opts(path, out, **kw) -> QuantizeOptions:
@@ -38,7 +39,7 @@ def test_mixed_plan_respects_budget_and_protects_head(tiny_checkpoint, tmp_path)
     assert r.searched.params >= r.naive.params
     assert r.searched.fidelity.kl_mean <= budget and r.naive.fidelity.kl_mean <= budget
     # What was measured is what was saved: a fresh load gives the same joint KL.
-    assert _measure_loaded(src, tmp_path / "mixed") == pytest.approx(r.fidelity.kl_mean, rel=1e-4, abs=1e-9)
+    assert same_kl(r.fidelity.kl_mean, _measure_loaded(src, tmp_path / "mixed"))
     cfg = json.loads((tmp_path / "mixed" / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors" and "lm_head" in cfg["ignore"]
     plan = json.loads((tmp_path / "mixed" / "quant_plan.json").read_text())
@@ -90,7 +91,7 @@ def test_head_scheme_quantizes_the_head_in_its_own_format(tiny_checkpoint, tmp_p
     heads = [g for g in qcfg["config_groups"].values() if "lm_head" in g["targets"]]
     assert heads[0]["weights"]["num_bits"] == 8 and heads[0]["targets"] == ["lm_head"]
     assert json.loads((out / "quant_plan.json").read_text())["head_format"] == "int8"
-    assert _measure_loaded(src, out) == pytest.approx(r.fidelity.kl_mean, rel=1e-4, abs=1e-9)
+    assert same_kl(r.fidelity.kl_mean, _measure_loaded(src, out))
     model = LLM(config=EngineConfig(model=str(out), dtype="float32")).engine.runner.model
     assert model.lm_head.bits == 8 and model.layers[0].down.bits == 4
     # without it the head stays protected (dense)
@@ -141,7 +142,7 @@ def test_gptq_rounding_saves_and_reloads(tiny_checkpoint, tmp_path):
     r = quantize_model(_opts(src, out, scheme="int4-g32", rounding="gptq", sensitivity=False, tool_eval=False))
     assert r.rounding == "gptq" and json.loads((out / "quant_plan.json").read_text())["rounding"] == "gptq"
     # The checkpoint format is round to nearest's: a fresh load measures the same KL.
-    assert _measure_loaded(src, out) == pytest.approx(r.fidelity.kl_mean, rel=1e-4, abs=1e-9)
+    assert same_kl(r.fidelity.kl_mean, _measure_loaded(src, out))
 
 
 def test_unknown_rounding_or_scaling_is_a_config_error(tiny_checkpoint):
@@ -160,7 +161,7 @@ def test_outlier_columns_save_reload_and_serve(tiny_checkpoint, tmp_path):
     assert r.outlier_columns == 0.05 and json.loads((out / "quant_plan.json").read_text())["outlier_columns"] == 0.05
     assert json.loads((out / "config.json").read_text())["quantization_config"]["kvyard_outlier_columns"] == 0.05
     source = load_reference(QuantizeOptions(model=str(src), scheme="int8", dtype="float32", max_seq_len=64))
-    assert saved_fidelity(source, out).kl_mean == pytest.approx(r.fidelity.kl_mean, rel=1e-6)
+    assert same_kl(r.fidelity.kl_mean, saved_fidelity(source, out).kl_mean)
     from safetensors.torch import load_file
     saved = load_file(str(out / "model.safetensors"))
     cols = saved["model.layers.0.mlp.down_proj.weight_outlier_columns"]
