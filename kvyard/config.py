@@ -53,8 +53,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse KV of prompt prefixes seen before
     max_model_len: int | None = None  # default: the model's context window
     num_threads: int | None = None  # CPU threads for torch; default: all cores
-    # Quantize linear weights while loading (int8, int4-g128, ...); a `kvyard quantize` directory
-    # needs no flag, its plan is in config.json.
+    # Quantize linear weights while loading (int8, int4-g128, ...), or `gguf`: keep a GGUF file's 4-bit
+    # layers as they are. A `kvyard quantize` directory needs no flag, its plan is in config.json.
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # auto (the model dtype) or int8 (a scale per token and head)
     # Speculative decoding (kvyard/spec/): None, "ngram" (prompt lookup), "draft" (speculative_model) or
@@ -75,9 +75,10 @@ class EngineConfig:
             raise InvalidRequestError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}",
                                       param="kv_cache_dtype")
         if self.quantization:
-            from kvyard.quant.scheme import parse_weight_scheme
+            from kvyard.quant.scheme import KEEP_GGUF, parse_weight_scheme
 
-            parse_weight_scheme(self.quantization)
+            if self.quantization != KEEP_GGUF:
+                parse_weight_scheme(self.quantization)
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", param=name)

@@ -1,8 +1,10 @@
 """Decode tokens/s of saved checkpoints against the first one, taking turns step by step, as `kvyard bench
 quant` times them (the same `decode_rates`), without quantizing anything again.
 
-usage: python tools/quant_decode_rates.py BATCHES ROUNDS NAME=MODEL [NAME=MODEL ...]
+usage: python tools/quant_decode_rates.py BATCHES ROUNDS NAME=MODEL[@QUANTIZATION] [NAME=MODEL ...]
        python tools/quant_decode_rates.py 1,32 5 bf16=smollm2-135m int8=bench-results/quant-s11-smollm2/int8
+       python tools/quant_decode_rates.py 1,32 5 bf16=smollm2-135m gguf=smollm2-135m@gguf
+(`@QUANTIZATION` loads MODEL with EngineConfig.quantization, e.g. `@gguf` or `@int8`.)
 Prints each round, then the medians and each scheme's ratio to the first (per round and of the medians).
 """
 import statistics
@@ -16,10 +18,13 @@ from kvyard.llm import LLM
 
 
 def batches_rounds_engines(argv: list[str]) -> tuple[list[int], int, dict[str, LLM]]:
-    """BATCHES ROUNDS NAME=MODEL ...: the batch sizes, the rounds, and one bf16 engine per model."""
+    """BATCHES ROUNDS NAME=MODEL[@QUANTIZATION] ...: the batch sizes, the rounds, and one bf16 engine per model."""
     torch.set_num_threads(2)
-    engines = {name: LLM(config=EngineConfig(model=path, dtype="bfloat16", kv_cache_memory="1GiB"))
-               for name, path in (arg.split("=", 1) for arg in argv[2:])}
+    engines = {}
+    for name, spec in (arg.split("=", 1) for arg in argv[2:]):
+        path, _, quantization = spec.partition("@")
+        engines[name] = LLM(config=EngineConfig(model=path, dtype="bfloat16", kv_cache_memory="1GiB",
+                                                quantization=quantization or None))
     return [int(b) for b in argv[0].split(",")], int(argv[1]), engines
 
 

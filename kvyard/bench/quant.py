@@ -2,9 +2,11 @@
 
 Fidelity (KL, top-1, perplexity, tool-call JSON) comes from `kvyard quantize` itself, in the compute dtype
 (`--fidelity-dtype`, by default `--dtype`), and again from the saved checkpoint with both models in float32,
-which isolates the weights' rounding from bf16's own activation rounding. Speed is decode tokens per second
-(speedups are against the unquantized model in the same dtype) with the prompt already prefilled, at batch 1
-and at batch 32, the models taking turns over `--repeats` rounds because this machine is noisy.
+which isolates the weights' rounding from bf16's own activation rounding (`gguf`, a GGUF source with its own
+blocks kept, is measured against its dequantized self: in float32 that shows the blocks are read exactly).
+Speed is decode tokens per second (speedups are against the unquantized model in the same dtype) with the
+prompt already prefilled, at batch 1 and at batch 32, the models taking turns over `--repeats` rounds because
+this machine is noisy.
 """
 
 import argparse
@@ -25,12 +27,13 @@ from kvyard.quant.awq import DEFAULT_SCALING, SCALINGS
 from kvyard.quant.cli import add_head_scheme_arg
 from kvyard.quant.fidelity import Fidelity
 from kvyard.quant.plan import DEFAULT_PROTECT
-from kvyard.quant.scheme import DEFAULT_ROUNDING, ROUNDINGS
+from kvyard.quant.scheme import DEFAULT_ROUNDING, KEEP_GGUF, ROUNDINGS
 from kvyard.quant.tool import (
     QuantizeOptions,
     QuantizeResult,
     kv_cache_fidelity,
     load_reference,
+    native_fidelity,
     quantize_model,
     saved_fidelity,
 )
@@ -42,7 +45,8 @@ KV_INT8 = "kv-int8"  # not a weight scheme: dense weights with the int8 KV cache
 def add_quant_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quant", help="quantization schemes vs bf16: KL, top-1, memory, decode speed")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--schemes", default="int8,int4-g128", help="comma list of weight schemes (mixed needs --kl-budget), and kv-int8 for the int8 KV cache")
+    p.add_argument("--schemes", default="int8,int4-g128", help="comma list of weight schemes (mixed needs --kl-budget), kv-int8 for the int8 KV "
+                   "cache, and gguf for a GGUF source's own blocks (--quantization gguf)")
     p.add_argument("--kl-budget", type=float, default=None, help="budget for the mixed plan")
     p.add_argument("--mixed-weight", default="int4-g128")
     p.add_argument("--protect", default=None,
@@ -136,9 +140,11 @@ def run_quant_bench(args: argparse.Namespace) -> int:
     for scheme in schemes:
         t0 = time.perf_counter()
         kv_dtypes[scheme] = "int8" if scheme == KV_INT8 else "auto"
-        if scheme == KV_INT8:  # dense weights, int8 KV cache
-            f = kv_cache_fidelity(load_reference(QuantizeOptions(model=str(model_path), scheme="int8", dtype=measure_dtype)))
-            f32 = kv_cache_fidelity(fp32_source)
+        if scheme in (KV_INT8, KEEP_GGUF):  # the source as it is: with an int8 KV cache, or its GGUF blocks kept
+            measure = native_fidelity if scheme == KEEP_GGUF else kv_cache_fidelity
+            ref = fp32_source if measure_dtype == "float32" and scheme == KEEP_GGUF else load_reference(
+                QuantizeOptions(model=str(model_path), scheme="int8", dtype=measure_dtype))
+            f, f32 = measure(ref), measure(fp32_source)
             fidelity[scheme] = {"kl_mean": f.kl_mean, "kl_p99": f.kl_p99, "top1_agreement": f.top1_agreement,
                                 "ppl_change": f.ppl_change, **_fp32_row(f32)}
             paths[scheme] = str(model_path)
@@ -154,7 +160,8 @@ def run_quant_bench(args: argparse.Namespace) -> int:
         paths[scheme] = str(out_root / scheme)
         print(f"{scheme}: {json.dumps(fidelity[scheme])}", file=sys.stderr)
     engines = {name: LLM(config=EngineConfig(model=p, dtype=args.dtype, kv_cache_memory="1GiB",
-                                             kv_cache_dtype=kv_dtypes[name]))
+                                             kv_cache_dtype=kv_dtypes[name],
+                                             quantization=KEEP_GGUF if name == KEEP_GGUF else None))
                for name, p in paths.items()}
     rounds = []
     for r in range(args.repeats):

@@ -20,7 +20,7 @@ from kvyard.engine.repetition import RepetitionDetector
 from kvyard.engine.request import Request
 from kvyard.engine.sampler import sample
 from kvyard.engine.scheduler import ScheduledBatch, Scheduler
-from kvyard.errors import InvalidRequestError, PromptTooLongError
+from kvyard.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.loader.checkpoint import Checkpoint, load_checkpoint
 from kvyard.loader.registry import resolve_model
@@ -29,7 +29,7 @@ from kvyard.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvyard.quant.kv_smoothing import smooth_keys
 from kvyard.quant.plan import quantize_stream, uniform_plan
 from kvyard.quant.qtensor import QuantizedTensor
-from kvyard.quant.scheme import parse_weight_scheme
+from kvyard.quant.scheme import KEEP_GGUF, parse_weight_scheme
 from kvyard.sampling_params import SamplingParams
 from kvyard.spec.decoding import split_logits
 from kvyard.spec.setup import make_speculation
@@ -97,6 +97,13 @@ class LLMEngine:
     def _weights(self, ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         if not self.cfg.quantization:
             return ckpt.tensors()
+        if self.cfg.quantization == KEEP_GGUF:
+            if ckpt.native_tensors is None:
+                raise ConfigError(f"quantization gguf keeps a GGUF file's blocks; {ckpt.path} is not a GGUF file",
+                                  param="quantization")
+            log.info("%s: %d linear weights kept in their GGUF blocks (Q4_0/Q4_1/Q4_K as int4-g32-min, Q8_0 as "
+                     "int8-g32), the rest dense", ckpt.path.name, ckpt.native_layers)
+            return ckpt.native_tensors()
         plan = uniform_plan(ckpt.config, parse_weight_scheme(self.cfg.quantization))
         return quantize_stream(ckpt.tensors(), plan)
 

@@ -6,6 +6,7 @@ like HF's. llama.cpp's converter permutes the rows of the llama q/k projections 
 interleaved instead of split in halves); `unpermute_qk` undoes that so weights equal HF's exactly.
 """
 
+import functools
 import hashlib
 import os
 import re
@@ -22,8 +23,11 @@ from gguf.quants import dequantize
 
 from kvyard.errors import CheckpointError, UnsupportedArchitectureError
 from kvyard.loader.checkpoint import Checkpoint
+from kvyard.loader.gguf_native import SCHEMES, read_native
 from kvyard.loader.hf_dir import check_tensor_names, expected_tensor_names
 from kvyard.models.config import ModelConfig
+from kvyard.quant.plan import linear_units
+from kvyard.quant.qtensor import QuantizedTensor
 
 # GGUF `general.architecture` -> (HF model_type, HF architecture class).
 GGUF_ARCHITECTURES = {
@@ -222,11 +226,15 @@ def _permute_heads(arch: str, hf_name: str, config: ModelConfig) -> int | None:
 
 
 def _stream(
-    plan: list[tuple[str, ReaderTensor, int | None]], path: Path
-) -> Iterator[tuple[str, torch.Tensor]]:
+    plan: list[tuple[str, ReaderTensor, int | None]], path: Path, native: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Each tensor dequantized, except those named in `native`, which keep their blocks (gguf_native.py)."""
     for hf_name, t, heads in plan:
         try:
-            tensor = read_tensor(t, heads)
+            if hf_name in native:
+                tensor = read_native(t, None if heads is None else functools.partial(unpermute_qk, n_head=heads))
+            else:
+                tensor = read_tensor(t, heads)
         except (ValueError, NotImplementedError, OSError) as e:
             raise CheckpointError(f"{path}: cannot read tensor {t.name} ({type(e).__name__}: {e})") from e
         yield hf_name, tensor
@@ -288,10 +296,34 @@ def load_gguf(path: str | Path) -> Checkpoint:
     check_tensor_names((name for name, _, _ in plan), config, str(path), f"{arch} (GGUF)")
     _check_types([t for _, t, _ in plan], path, arch)
     tokenizer = load_gguf_tokenizer(path, reader)
+    # A tied head is the embedding table; kept in its blocks it is a matmul weight of its own (the lookup stays dense).
+    native_plan = plan
+    if config.tie_word_embeddings:
+        embed = next(t for name, t, _ in plan if name == "model.embed_tokens.weight")
+        native_plan = [*plan, ("lm_head.weight", embed, None)]
+    native = native_layers(config, {name: t.tensor_type for name, t, _ in native_plan})
+    if config.tie_word_embeddings and "lm_head.weight" not in native:
+        native_plan = plan  # the embedding's type has no kvyard form: the head stays the (dense) table
     return Checkpoint(
         path=path,
         hf_config=hf_config,
         config=config,
         tokenizer=tokenizer,
         tensors=lambda: _stream(plan, path),  # each ReaderTensor's data is a view of the memmap
+        native_tensors=lambda: _stream(native_plan, path, native),
+        native_layers=len(native),
     )
+
+
+def native_layers(config: ModelConfig, types: dict[str, GGMLQuantizationType]) -> frozenset[str]:
+    """The weights that `--quantization gguf` keeps in their blocks: every member of a linear unit (q|k|v and
+    gate|up are fused, so they must share one form) whose members are all int4-g32-min types or all Q8_0. The
+    head too: it is not rounded here, so there is nothing to protect it from. A unit with any other type
+    (Q4_K_M files put Q6_K and Q5_0 in some) stays dense."""
+    names = set()
+    for unit in linear_units(config):
+        weights = [m + ".weight" for m in unit.members]
+        schemes = {SCHEMES.get(types[w]) if w in types else None for w in weights}
+        if len(schemes) == 1 and None not in schemes:
+            names.update(weights)
+    return frozenset(names)

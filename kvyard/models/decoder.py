@@ -125,7 +125,7 @@ class DecoderModel:
 
         self.embed = take("model.embed_tokens.weight")
         self.final_norm = take("model.norm.weight")
-        head = w.pop("lm_head.weight", None)
+        head = w.pop("lm_head.weight", None) if cfg.tie_word_embeddings else take("lm_head.weight")
         # A quantized head is kept even for tied embeddings: the lookup table stays dense.
         tied = head is None or (cfg.tie_word_embeddings and not isinstance(head, QuantizedTensor))
         self.lm_head = self.embed if tied else self._weight([head], source)  # type: ignore[list-item]

@@ -89,22 +89,26 @@ class _PaddedInput:
 
 
 class Int8Linear(_PaddedInput):
-    """Per-output-channel int8 weight: y = (x @ q.T) * scale."""
+    """int8 weight: y = (x @ q.T) * scale, per output channel; grouped scales (GGUF's Q8_0) dequantize instead,
+    as PyTorch's kernel takes one scale per channel."""
 
     def __init__(self, qt: QuantizedTensor, dtype: torch.dtype, device: torch.device):
         self.out_features, self.in_features = qt.shape
+        self.group_size = qt.group_size
         self.k_pad = -(-self.in_features // _INT8_K_STEP) * _INT8_K_STEP
         self.q = F.pad(qt.q, (0, self.k_pad - self.in_features)).contiguous().to(device)
-        self.scale = qt.scale[:, 0].to(device=device, dtype=dtype).contiguous()
-        self.use_kernel = _kernels_available(device)
+        self.scale = qt.scale.to(device=device, dtype=dtype).contiguous()  # [N, groups]
+        self.use_kernel = _kernels_available(device) and self.scale.shape[1] == 1
+        self.channel_scale = self.scale[:, 0].contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel and x.shape[0] <= KERNEL_MAX_ROWS:
-            return torch.ops.aten._weight_int8pack_mm(self._pad_x(x).contiguous(), self.q, self.scale.to(x.dtype))
+            return torch.ops.aten._weight_int8pack_mm(self._pad_x(x).contiguous(), self.q,
+                                                      self.channel_scale.to(x.dtype))
         return dequantized_linear(self, x)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.q[:, : self.in_features].to(dtype) * self.scale.to(dtype).unsqueeze(1)
+        return _scaled(self.q[:, : self.in_features].float(), self.scale.float(), None, self.group_size, dtype)
 
     @property
     def nbytes(self) -> int:
@@ -284,8 +288,8 @@ class PlainLowBitLinear(_KvyardLowBit, _PaddedInput):
         self.bits = qt.scheme.bits
         chunk_values = _CHUNK_BYTES * 8 // self.bits
         self.k_pad = -(-k // chunk_values) * chunk_values
-        # int8 is one group per row: the padded row's, as zero codes add nothing
-        self.group_size = self.k_pad if self.bits == 8 else qt.group_size
+        # int8 per channel is one group per row: the padded row's, as zero codes add nothing
+        self.group_size = self.k_pad if qt.scheme.group_size is None else qt.group_size
         n_pad, groups = -(-n // _BLOCK_ROWS) * _BLOCK_ROWS, -(-self.k_pad // self.group_size)
         q = F.pad(qt.q, (0, self.k_pad - k, 0, n_pad - n))
         if self.bits == 4:

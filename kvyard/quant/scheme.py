@@ -13,6 +13,8 @@ SCHEME_HELP = "int8, int4-g32|g64|g128 (add -asym for an integer zero point, -mi
 # Qwen2.5-Coder-0.5B was no better for int4-g128 and only sometimes better for int8, and its KL measured
 # on the calibration text itself is in-sample (far lower than on other text).
 ROUNDINGS = ("rtn", "gptq")
+# `--quantization gguf`: no rounding at all; a GGUF file's blocks load as they are (loader/gguf_native.py).
+KEEP_GGUF = "gguf"
 DEFAULT_ROUNDING = "rtn"
 
 
@@ -30,7 +32,7 @@ class WeightScheme:
     @property
     def name(self) -> str:
         if self.bits == 8:
-            return "int8"
+            return "int8" if self.group_size is None else f"int8-g{self.group_size}"  # grouped: GGUF's Q8_0 only
         return f"int4-g{self.group_size}" + ("" if self.symmetric else "-min" if self.float_zero else "-asym")
 
     @property

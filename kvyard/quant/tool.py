@@ -149,7 +149,8 @@ def load_reference(opts: QuantizeOptions) -> Reference:
     return Reference(ckpt, tensors, calib, model, FidelityMeter(model, calib.sequences), opts)
 
 
-def _dense_model(ckpt: Checkpoint, tensors: dict[str, torch.Tensor], opts: QuantizeOptions) -> DecoderModel:
+def _dense_model(ckpt: Checkpoint, tensors: dict[str, torch.Tensor | QuantizedTensor],
+                 opts: QuantizeOptions) -> DecoderModel:
     model = DecoderModel(ckpt.config, parse_dtype(opts.dtype), torch.device("cpu"), max_positions=opts.max_seq_len + 1)
     model.load(tensors.items(), str(ckpt.path))
     return model
@@ -248,6 +249,16 @@ def saved_fidelity(ref: Reference, quantized: str | Path) -> Fidelity:
     activations, and two different kernels round differently, which adds KL no weight format can remove."""
     ckpt = load_checkpoint(resolve_model(str(quantized)))
     model = _dense_model(ckpt, dict(ckpt.tensors()), ref.opts)
+    with torch.inference_mode():
+        return ref.meter.measure(model)
+
+
+def native_fidelity(ref: Reference, dtype: str | None = None) -> Fidelity:
+    """A GGUF source loaded with its own blocks (`--quantization gguf`) against `ref` (its dequantized self), in
+    `dtype` (default: ref's). In float32 this measures that the blocks are read exactly."""
+    if ref.ckpt.native_tensors is None:
+        raise ConfigError(f"{ref.ckpt.path} is not a GGUF file: it has no blocks of its own to keep", param="scheme")
+    model = _dense_model(ref.ckpt, dict(ref.ckpt.native_tensors()), replace(ref.opts, dtype=dtype or ref.opts.dtype))
     with torch.inference_mode():
         return ref.meter.measure(model)
 

@@ -39,3 +39,21 @@ def test_bench_quant_measures_fidelity_in_its_own_dtype(tiny_checkpoint, tmp_pat
     row = result["schemes"]["int8"]
     assert row["kl_mean"] > 0 and same_kl(row["kl_mean"], row["kl_mean_fp32"])
     assert result["machine"]["cpu_threads"] >= 1 and "platform" in result["machine"]
+
+
+def test_bench_quant_gguf_keeps_the_files_blocks(tmp_path):
+    """`--schemes gguf`: a Q4_1 GGUF served with its own blocks measures as its dequantized self in float32 (the
+    weights are the file's), in a quarter-ish of the bytes."""
+    from tests.loader.tiny_gguf import Q, write_tiny_gguf
+    from tests.tiny import make_tiny_checkpoint
+
+    gguf = write_tiny_gguf(make_tiny_checkpoint(tmp_path / "hf", "llama"), tmp_path / "q4.gguf", Q.Q4_1)
+    out = tmp_path / "quant.json"
+    rc = main(["bench", "quant", "--model", str(gguf), "--schemes", "gguf", "--batch-sizes", "1",
+               "--input-len", "8", "--decode-steps", "2", "--repeats", "1", "--json-out", str(out)])
+    assert rc == 0
+    table = json.loads(out.read_text())["schemes"]
+    assert set(table) == {"bfloat16", "gguf"}
+    row = table["gguf"]
+    assert 0 <= row["kl_mean_fp32"] < 1e-6 and row["top1_agreement_fp32"] == 1.0
+    assert row["weight_bytes"] < 0.75 * table["bfloat16"]["weight_bytes"] and row["decode_tok_s_b1"] > 0

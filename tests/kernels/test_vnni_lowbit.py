@@ -12,10 +12,10 @@ from kvyard.quant.qlinear import (
     make_linear,
 )
 from kvyard.quant.qtensor import QuantizedTensor
-from kvyard.quant.scheme import parse_weight_scheme
+from tests.quant.schemes import scheme
 
 CPU = torch.device("cpu")
-SCHEMES = ["int8", "int4-g32", "int4-g64-asym", "int4-g128", "int4-g128-asym"]
+SCHEMES = ["int8", "int8-g32", "int4-g32", "int4-g64-asym", "int4-g128", "int4-g128-asym"]
 AMX = cpu_kernels.amx_available()
 needs_vnni = pytest.mark.skipif(not (AMX or cpu_kernels.vnni_lowbit_available()),
                                 reason="this CPU has neither AMX nor AVX-512 VNNI and BF16")
@@ -48,7 +48,7 @@ def test_rounds_the_exact_result_once(name, out, inp, rows):
     if rows == 1 and _one_row_in_int16(name):
         pytest.skip("one row takes the int16 path here")
     g = torch.Generator().manual_seed(rows + out + inp)
-    qt = QuantizedTensor.quantize(torch.randn(out, inp, generator=g), parse_weight_scheme(name))
+    qt = QuantizedTensor.quantize(torch.randn(out, inp, generator=g), scheme(name))
     lin = make_linear(qt, torch.bfloat16, CPU)
     assert isinstance(lin, VnniLowBitLinear)
     x = torch.randn(rows, inp, generator=g).bfloat16()
@@ -68,8 +68,7 @@ def test_one_row_is_within_the_int16_rounding_of_x(name, inp):
     if not _one_row_in_int16(name):
         pytest.skip("one int8 row on AMX CPUs takes the exact vector loop")
     torch.manual_seed(inp)
-    scheme = parse_weight_scheme(name)
-    qt = QuantizedTensor.quantize(torch.randn(96, inp), scheme)
+    qt = QuantizedTensor.quantize(torch.randn(96, inp), scheme(name))
     lin = VnniLowBitLinear(qt)
     x = torch.randn(1, inp)
     x[0, 5], x[0, inp - 7] = 300.0, -40.0
@@ -88,7 +87,7 @@ def test_one_row_is_within_the_int16_rounding_of_x(name, inp):
 @needs_vnni
 @pytest.mark.parametrize("name", SCHEMES)
 def test_blocked_layout_dequantizes_back(name):
-    qt = QuantizedTensor.quantize(torch.randn(64, 256), parse_weight_scheme(name))
+    qt = QuantizedTensor.quantize(torch.randn(64, 256), scheme(name))
     lin = VnniLowBitLinear(qt)
     assert torch.allclose(lin.dequantize(torch.float32), qt.dequantize(), atol=1e-6)
     # many rows (a prefill chunk) go through the kernel too, so the result is the exact product rounded once
@@ -99,21 +98,21 @@ def test_blocked_layout_dequantizes_back(name):
 @needs_vnni
 def test_sizes_and_fallbacks():
     w = torch.randn(512, 1024)
-    int8 = make_linear(QuantizedTensor.quantize(w, parse_weight_scheme("int8")), torch.bfloat16, CPU)
-    int4 = make_linear(QuantizedTensor.quantize(w, parse_weight_scheme("int4-g128")), torch.bfloat16, CPU)
+    int8 = make_linear(QuantizedTensor.quantize(w, scheme("int8")), torch.bfloat16, CPU)
+    int4 = make_linear(QuantizedTensor.quantize(w, scheme("int4-g128")), torch.bfloat16, CPU)
     assert isinstance(int8, VnniLowBitLinear) and isinstance(int4, VnniLowBitLinear)
     assert int8.nbytes < 0.52 * w.bfloat16().nbytes
     assert int4.nbytes < 0.27 * w.bfloat16().nbytes
     # shapes the blocks do not fit, and fp32 models, take the portable kernel
-    assert isinstance(make_linear(QuantizedTensor.quantize(torch.randn(40, 64), parse_weight_scheme("int8")),
+    assert isinstance(make_linear(QuantizedTensor.quantize(torch.randn(40, 64), scheme("int8")),
                                   torch.bfloat16, CPU), PlainLowBitLinear)
-    assert isinstance(make_linear(QuantizedTensor.quantize(w, parse_weight_scheme("int8")), torch.float32, CPU),
+    assert isinstance(make_linear(QuantizedTensor.quantize(w, scheme("int8")), torch.float32, CPU),
                       PlainLowBitLinear)
 
 
 @needs_vnni
 def test_bad_inputs_raise():
-    lin = VnniLowBitLinear(QuantizedTensor.quantize(torch.randn(32, 64), parse_weight_scheme("int4-g32")))
+    lin = VnniLowBitLinear(QuantizedTensor.quantize(torch.randn(32, 64), scheme("int4-g32")))
     op = torch.ops.kvyard.amx_linear_lowbit if AMX else torch.ops.kvyard.vnni_lowbit_linear
     x = torch.randn(2, 64).bfloat16()
     with pytest.raises(RuntimeError, match="columns"):
@@ -139,7 +138,7 @@ def test_outlier_columns_are_added_in_full_precision(name, rows, cols):
     """Columns kept beside the codes (LLM.int8-style) come out as exact fp32 products, the rest as before."""
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 576, generator=g)
-    qt = QuantizedTensor.quantize(w, parse_weight_scheme(name), torch.tensor(cols))
+    qt = QuantizedTensor.quantize(w, scheme(name), torch.tensor(cols))
     lin = make_linear(qt, torch.bfloat16, CPU)
     # both kernels (AMX and AVX-512) add them themselves, from bf16 (the bf16 model's own values)
     assert isinstance(lin, VnniLowBitLinear) and lin.nbytes > VnniLowBitLinear(
@@ -159,7 +158,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(name):
     layer outputs whole (300 rows: column blocks widened once, rows 256 at a time) or in prefill chunks of any size
     the tiles take (int8 below 5 rows, and one int4 row, take the vector loops instead)."""
     g = torch.Generator().manual_seed(7)
-    qt = QuantizedTensor.quantize(torch.randn(96, 576, generator=g), parse_weight_scheme(name),
+    qt = QuantizedTensor.quantize(torch.randn(96, 576, generator=g), scheme(name),
                                   torch.tensor([3, 40, 41, 300]))
     lin = make_linear(qt, torch.bfloat16, CPU)
     x = torch.randn(300, 576, generator=g).bfloat16()

@@ -93,8 +93,10 @@ def write_tiny_gguf(
     arch: str | None = None,
     drop: tuple[str, ...] = (),
     replace: dict[str, np.ndarray] | None = None,
+    qtypes: dict[str, GGMLQuantizationType] | None = None,
 ) -> Path:
-    """Convert `hf_dir` to `out`. 2-D weights get `qtype`; norms stay F32 as llama.cpp keeps them.
+    """Convert `hf_dir` to `out`. 2-D weights get `qtype` (`qtypes`: another type for some, by GGUF name); norms
+    stay F32 as llama.cpp keeps them.
 
     `drop` names GGUF tensors to leave out; `replace` gives GGUF tensors to write instead, as is.
     """
@@ -126,7 +128,7 @@ def write_tiny_gguf(
             t = llama_cpp_permute(t, cfg["num_attention_heads"])
         elif arch == "llama" and name.endswith("attn_k.weight"):
             t = llama_cpp_permute(t, cfg["num_attention_heads"], cfg["num_key_value_heads"])
-        data, raw = encode(t, qtype if t.ndim == 2 else Q.F32)
+        data, raw = encode(t, (qtypes or {}).get(name, qtype) if t.ndim == 2 else Q.F32)
         w.add_tensor(name, data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -13,18 +13,18 @@ from kvyard.quant.qlinear import (
     make_linear,
 )
 from kvyard.quant.qtensor import QuantizedTensor
-from kvyard.quant.scheme import parse_weight_scheme
+from tests.quant.schemes import scheme
 
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("name", ["int8", "int4-g32", "int4-g64-asym", "int4-g128", "int4-g32-min"])
+@pytest.mark.parametrize("name", ["int8", "int8-g32", "int4-g32", "int4-g64-asym", "int4-g128", "int4-g32-min"])
 @pytest.mark.parametrize("shape", [(96, 200), (128, 576), (400, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, KERNEL_MAX_ROWS + 9])  # kernel path, and dequantize-then-GEMM
 def test_matches_dequantized_reference(name, shape, dtype, rows):
     torch.manual_seed(0)
-    qt = QuantizedTensor.quantize(torch.randn(shape), parse_weight_scheme(name))
+    qt = QuantizedTensor.quantize(torch.randn(shape), scheme(name))
     lin = make_linear(qt, dtype, CPU)
     x = torch.randn(rows, shape[1]).to(dtype)
     ref = x.double() @ qt.dequantize().to(dtype).double().T
@@ -34,30 +34,30 @@ def test_matches_dequantized_reference(name, shape, dtype, rows):
     assert rel < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4-g32", "int4-g128-asym"])
+@pytest.mark.parametrize("name", ["int8", "int8-g32", "int4-g32", "int4-g128-asym"])
 def test_dequantize_unpacks_the_kernel_layout(name):
-    qt = QuantizedTensor.quantize(torch.randn(200, 160), parse_weight_scheme(name))
+    qt = QuantizedTensor.quantize(torch.randn(200, 160), scheme(name))
     lin = make_linear(qt, torch.float32, CPU)
     assert torch.allclose(lin.dequantize(torch.float32), qt.dequantize(), atol=1e-6)
 
 
 def test_low_bit_weights_are_smaller():
     w = torch.randn(512, 1024)
-    int8 = Int8Linear(QuantizedTensor.quantize(w, parse_weight_scheme("int8")), torch.bfloat16, CPU)
-    int4 = Int4Linear(QuantizedTensor.quantize(w, parse_weight_scheme("int4-g128")), torch.bfloat16, CPU)
+    int8 = Int8Linear(QuantizedTensor.quantize(w, scheme("int8")), torch.bfloat16, CPU)
+    int4 = Int4Linear(QuantizedTensor.quantize(w, scheme("int4-g128")), torch.bfloat16, CPU)
     dense = w.bfloat16().nbytes
     assert int8.nbytes < 0.52 * dense
     assert int4.nbytes < 0.27 * dense
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="kvyard's CPU kernels did not build here")
-@pytest.mark.parametrize("name", ["int8", "int4-g32", "int4-g64-asym", "int4-g128", "int4-g64-min"])
+@pytest.mark.parametrize("name", ["int8", "int8-g32", "int4-g32", "int4-g64-asym", "int4-g128", "int4-g64-min"])
 @pytest.mark.parametrize("shape", [(98, 200), (128, 576), (7, 96)])  # rows not in whole blocks of four
 @pytest.mark.parametrize("rows", [1, 3, 4, 17, KERNEL_MAX_ROWS + 9])
 def test_portable_kernel_matches_dequantized_reference(name, shape, rows):
     """kvyard's portable low-bit kernel (the one CPUs without AMX take), whatever this machine prefers."""
     torch.manual_seed(0)
-    qt = QuantizedTensor.quantize(torch.randn(shape), parse_weight_scheme(name))
+    qt = QuantizedTensor.quantize(torch.randn(shape), scheme(name))
     lin = PlainLowBitLinear(qt)
     assert torch.allclose(lin.dequantize(torch.float32), qt.dequantize(), atol=1e-6)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
@@ -76,7 +76,7 @@ def test_one_bf16_row_is_within_the_int16_rounding_of_x(name):
     An outlier channel (as LLM activations have) only coarsens its own run."""
     torch.manual_seed(0)
     n, k = 128, 576
-    qt = QuantizedTensor.quantize(torch.randn(n, k), parse_weight_scheme(name))
+    qt = QuantizedTensor.quantize(torch.randn(n, k), scheme(name))
     lin = PlainLowBitLinear(qt)
     x = torch.randn(1, k)
     x[0, 5], x[0, 300] = 300.0, -40.0
@@ -95,7 +95,7 @@ def test_one_bf16_row_is_within_the_int16_rounding_of_x(name):
 def test_outlier_columns_on_kernels_that_lack_them(dtype, form):
     """Forms whose kernel knows no outlier columns get them added beside it (OutlierColumns)."""
     torch.manual_seed(1)
-    qt = QuantizedTensor.quantize(torch.randn(40, 96), parse_weight_scheme("int4-g32-asym"), torch.tensor([5, 60]))
+    qt = QuantizedTensor.quantize(torch.randn(40, 96), scheme("int4-g32-asym"), torch.tensor([5, 60]))
     inner = PlainLowBitLinear(qt) if form == "plain" else Int4Linear(qt, dtype, torch.device("cpu"))
     lin = OutlierColumns(inner, qt.outlier_cols, qt.outliers)
     for rows in (1, 80):
