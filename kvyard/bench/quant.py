@@ -3,13 +3,15 @@
 Fidelity (KL, top-1, perplexity, tool-call JSON) comes from `kvyard quantize` itself, in the compute dtype
 (`--fidelity-dtype`, by default `--dtype`), and again from the saved checkpoint with both models in float32,
 which isolates the weights' rounding from bf16's own activation rounding (`gguf`, a GGUF source with its own
-blocks kept, is measured against its dequantized self: in float32 that shows the blocks are read exactly).
+blocks kept, and the baseline with it, are measured against the file's weights in float32: in float32 that
+shows the blocks are read exactly).
 Speed is decode tokens per second (speedups are against the unquantized model in the same dtype) with the
 prompt already prefilled, at batch 1 and at batch 32, the models taking turns over `--repeats` rounds because
 this machine is noisy.
 """
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -33,9 +35,9 @@ from kvyard.quant.tool import (
     QuantizeResult,
     kv_cache_fidelity,
     load_reference,
-    native_fidelity,
     quantize_model,
     saved_fidelity,
+    source_fidelity,
 )
 from kvyard.sampling_params import SamplingParams
 
@@ -120,6 +122,12 @@ def _fidelity_row(r: QuantizeResult) -> dict:
     return row
 
 
+def _source_row(f: Fidelity, f32: Fidelity | None = None) -> dict:
+    """The fidelity of a scheme that rounds no weight of its own (kv-int8, gguf, the baseline beside gguf)."""
+    return {"kl_mean": f.kl_mean, "kl_p99": f.kl_p99, "top1_agreement": f.top1_agreement,
+            "ppl_change": f.ppl_change, **(_fp32_row(f32) if f32 else {})}
+
+
 def _fp32_row(f: Fidelity) -> dict:
     """The weights' (or the KV cache's) rounding alone: both models computed in float32."""
     return {"kl_mean_fp32": f.kl_mean, "kl_p99_fp32": f.kl_p99, "top1_agreement_fp32": f.top1_agreement}
@@ -140,13 +148,17 @@ def run_quant_bench(args: argparse.Namespace) -> int:
     for scheme in schemes:
         t0 = time.perf_counter()
         kv_dtypes[scheme] = "int8" if scheme == KV_INT8 else "auto"
-        if scheme in (KV_INT8, KEEP_GGUF):  # the source as it is: with an int8 KV cache, or its GGUF blocks kept
-            measure = native_fidelity if scheme == KEEP_GGUF else kv_cache_fidelity
-            ref = fp32_source if measure_dtype == "float32" and scheme == KEEP_GGUF else load_reference(
-                QuantizeOptions(model=str(model_path), scheme="int8", dtype=measure_dtype))
-            f, f32 = measure(ref), measure(fp32_source)
-            fidelity[scheme] = {"kl_mean": f.kl_mean, "kl_p99": f.kl_p99, "top1_agreement": f.top1_agreement,
-                                "ppl_change": f.ppl_change, **_fp32_row(f32)}
+        if scheme == KV_INT8:  # dense weights, int8 KV cache
+            f = kv_cache_fidelity(load_reference(QuantizeOptions(model=str(model_path), scheme="int8", dtype=measure_dtype)))
+            fidelity[scheme] = _source_row(f, kv_cache_fidelity(fp32_source))
+            paths[scheme] = str(model_path)
+            print(f"{scheme}: {json.dumps(fidelity[scheme])}", file=sys.stderr)
+            continue
+        if scheme == KEEP_GGUF:  # the file's blocks kept; it and the plain load (the baseline) against the file
+            if measure_dtype != "float32":  # (in float32 the plain load is the reference itself)
+                fidelity[base] = _source_row(source_fidelity(fp32_source, measure_dtype, keep_blocks=False))
+            fidelity[scheme] = _source_row(source_fidelity(fp32_source, measure_dtype, keep_blocks=True),
+                                           source_fidelity(fp32_source, "float32", keep_blocks=True))
             paths[scheme] = str(model_path)
             print(f"{scheme}: {json.dumps(fidelity[scheme])}", file=sys.stderr)
             continue
@@ -159,6 +171,8 @@ def run_quant_bench(args: argparse.Namespace) -> int:
         fidelity[scheme] = {**_fidelity_row(r), **_fp32_row(f32), "quantize_s": time.perf_counter() - t0}
         paths[scheme] = str(out_root / scheme)
         print(f"{scheme}: {json.dumps(fidelity[scheme])}", file=sys.stderr)
+    del fp32_source  # float32 weights and their model: more memory than the timed engines (Qwen2.5-Coder-1.5B)
+    gc.collect()
     engines = {name: LLM(config=EngineConfig(model=p, dtype=args.dtype, kv_cache_memory="1GiB",
                                              kv_cache_dtype=kv_dtypes[name],
                                              quantization=KEEP_GGUF if name == KEEP_GGUF else None))

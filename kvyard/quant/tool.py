@@ -253,12 +253,14 @@ def saved_fidelity(ref: Reference, quantized: str | Path) -> Fidelity:
         return ref.meter.measure(model)
 
 
-def native_fidelity(ref: Reference, dtype: str | None = None) -> Fidelity:
-    """A GGUF source loaded with its own blocks (`--quantization gguf`) against `ref` (its dequantized self), in
-    `dtype` (default: ref's). In float32 this measures that the blocks are read exactly."""
-    if ref.ckpt.native_tensors is None:
+def source_fidelity(ref: Reference, dtype: str, keep_blocks: bool) -> Fidelity:
+    """`ref`'s source itself computed in `dtype` against `ref` (float32 for the file's own weights), with a GGUF
+    file's blocks kept (`--quantization gguf`) or dequantized as a plain load does. In float32 with the blocks
+    kept this measures that they are read exactly; in bf16 it is what each way of serving the file loses."""
+    if keep_blocks and ref.ckpt.native_tensors is None:
         raise ConfigError(f"{ref.ckpt.path} is not a GGUF file: it has no blocks of its own to keep", param="scheme")
-    model = _dense_model(ref.ckpt, dict(ref.ckpt.native_tensors()), replace(ref.opts, dtype=dtype or ref.opts.dtype))
+    stream = ref.ckpt.native_tensors if keep_blocks else ref.ckpt.tensors
+    model = _dense_model(ref.ckpt, dict(stream()), replace(ref.opts, dtype=dtype))  # type: ignore[misc]
     with torch.inference_mode():
         return ref.meter.measure(model)
 
