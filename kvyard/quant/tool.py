@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from kvyard.config import parse_dtype
 from kvyard.errors import ConfigError
-from kvyard.loader.checkpoint import Checkpoint, load_checkpoint
+from kvyard.loader.checkpoint import Checkpoint, TensorStream, load_checkpoint
 from kvyard.loader.registry import resolve_model
 from kvyard.models.config import ModelConfig
 from kvyard.models.decoder import DecoderModel
@@ -149,10 +149,11 @@ def load_reference(opts: QuantizeOptions) -> Reference:
     return Reference(ckpt, tensors, calib, model, FidelityMeter(model, calib.sequences), opts)
 
 
-def _dense_model(ckpt: Checkpoint, tensors: dict[str, torch.Tensor | QuantizedTensor],
+def _dense_model(ckpt: Checkpoint, tensors: dict[str, torch.Tensor] | TensorStream,
                  opts: QuantizeOptions) -> DecoderModel:
+    """`tensors`: a dict, or a checkpoint's stream (read as the model loads, never all at once in float32)."""
     model = DecoderModel(ckpt.config, parse_dtype(opts.dtype), torch.device("cpu"), max_positions=opts.max_seq_len + 1)
-    model.load(tensors.items(), str(ckpt.path))
+    model.load(tensors.items() if isinstance(tensors, dict) else tensors(), str(ckpt.path))
     return model
 
 
@@ -248,7 +249,7 @@ def saved_fidelity(ref: Reference, quantized: str | Path) -> Fidelity:
     ref's dtype. In float32 this is the weights' rounding alone; in bfloat16 each side also rounds its
     activations, and two different kernels round differently, which adds KL no weight format can remove."""
     ckpt = load_checkpoint(resolve_model(str(quantized)))
-    model = _dense_model(ckpt, dict(ckpt.tensors()), ref.opts)
+    model = _dense_model(ckpt, ckpt.tensors, ref.opts)
     with torch.inference_mode():
         return ref.meter.measure(model)
 
@@ -260,7 +261,7 @@ def source_fidelity(ref: Reference, dtype: str, keep_blocks: bool) -> Fidelity:
     if keep_blocks and ref.ckpt.native_tensors is None:
         raise ConfigError(f"{ref.ckpt.path} is not a GGUF file: it has no blocks of its own to keep", param="scheme")
     stream = ref.ckpt.native_tensors if keep_blocks else ref.ckpt.tensors
-    model = _dense_model(ref.ckpt, dict(stream()), replace(ref.opts, dtype=dtype))  # type: ignore[misc]
+    model = _dense_model(ref.ckpt, stream, replace(ref.opts, dtype=dtype))  # type: ignore[arg-type]
     with torch.inference_mode():
         return ref.meter.measure(model)
 
