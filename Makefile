@@ -7,6 +7,8 @@ MODEL ?= smollm2-135m
 PROMPT ?= Explain in two sentences what a KV cache is.
 HOST ?= 127.0.0.1
 PORT ?= 8000
+# more `kvyard serve` flags for `make serve`, e.g. KVYARD_ARGS="--quantization gguf"
+KVYARD_ARGS ?=
 
 .PHONY: test serve generate lint model bench clean peers bench-serve llama-server
 
@@ -29,7 +31,7 @@ test: $(STAMP) model lint
 	$(PY) -m pytest -q
 
 serve: $(STAMP) model
-	$(VENV)/bin/kvyard serve --model $(MODEL) --host $(HOST) --port $(PORT)
+	$(VENV)/bin/kvyard serve --model $(MODEL) --host $(HOST) --port $(PORT) $(KVYARD_ARGS)
 
 generate: $(STAMP) model
 	$(VENV)/bin/kvyard generate --model $(MODEL) "$(PROMPT)"
