@@ -53,8 +53,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse KV of prompt prefixes seen before
     max_model_len: int | None = None  # default: the model's context window
     num_threads: int | None = None  # CPU threads for torch; default: all cores
-    # Quantize linear weights while loading (int8, int4-g128, ...), or `gguf`: keep a GGUF file's Q4_0/Q4_1/
-    # Q4_K/Q8_0 layers in their own blocks. A `kvyard quantize` directory needs no flag, its plan is in config.json.
+    # Quantize linear weights while loading (int8, int4-g128, ...), or `gguf`: keep a GGUF file's
+    # Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q8_0 layers in their own blocks. A `kvyard quantize` directory needs no flag,
+    # its plan is in config.json.
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # auto (the model dtype) or int8 (a scale per token and head)
     # Speculative decoding (kvyard/spec/): None, "ngram" (prompt lookup), "draft" (speculative_model) or

@@ -20,7 +20,7 @@ _HELP = {
     "num_threads": "CPU threads for torch (default: all cores)",
     "kv_cache_dtype": "KV cache storage: auto (the model dtype) or int8",
     "quantization": "quantize weights on load: int8 or int4-g32|g64|g128[-asym|-min] (lm_head stays dense), "
-                    "or gguf: keep a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 layers in their own blocks",
+                    "or gguf: keep a GGUF file's Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q8_0 layers in their own blocks",
     "speculative_method": "speculative decoding: ngram, draft (--speculative-model) or speculator (--speculator)",
     "speculative_model": "draft model for speculative decoding (same tokenizer as --model); implies draft",
     "speculator": "trained speculator directory (kvyard speculator train) for --model; implies speculator",

@@ -101,8 +101,8 @@ class LLMEngine:
             if ckpt.native_tensors is None:
                 raise ConfigError(f"quantization gguf keeps a GGUF file's blocks; {ckpt.path} is not a GGUF file",
                                   param="quantization")
-            log.info("%s: %d linear weights kept in their GGUF blocks (Q4_0/Q4_1/Q4_K as int4-g32-min, Q8_0 as "
-                     "int8-g32), the rest dense", ckpt.path.name, ckpt.native_layers)
+            log.info("%s: %d linear weights kept in their GGUF blocks (loader/gguf_native.py), the rest dense",
+                     ckpt.path.name, ckpt.native_layers)
             return ckpt.native_tensors()
         plan = uniform_plan(ckpt.config, parse_weight_scheme(self.cfg.quantization))
         return quantize_stream(ckpt.tensors(), plan)

@@ -23,8 +23,9 @@ class Checkpoint:
     # Yields (HF parameter name, tensor) lazily so that only one tensor is dequantized at a time;
     # a quantized checkpoint yields its low-bit layers as QuantizedTensor.
     tensors: TensorStream
-    # GGUF only: the same stream with the linear layers whose blocks kvyard's kernels run as they are (Q4_0, Q4_1,
-    # Q4_K, Q8_0) kept as QuantizedTensors (`--quantization gguf`; loader/gguf_native.py), and how many.
+    # GGUF only: the same stream with the linear layers whose blocks kvyard's kernels run as they are (Q4_0,
+    # Q4_1, Q4_K, Q5_0, Q5_1, Q8_0) kept as QuantizedTensors (`--quantization gguf`; loader/gguf_native.py),
+    # and how many.
     native_tensors: TensorStream | None = None
     native_layers: int = 0
 

@@ -316,10 +316,10 @@ def load_gguf(path: str | Path) -> Checkpoint:
 
 
 def native_layers(config: ModelConfig, types: dict[str, GGMLQuantizationType]) -> frozenset[str]:
-    """The weights that `--quantization gguf` keeps in their blocks: every member of a linear unit (q|k|v and
-    gate|up are fused, so they must share one form) whose members are all int4-g32-min types or all Q8_0. The
-    head too: it is not rounded here, so there is nothing to protect it from. A unit with any other type
-    (Q4_K_M files put Q6_K and Q5_0 in some) stays dense."""
+    """The weights that `--quantization gguf` keeps in their blocks: every member of a linear unit whose members'
+    types all have one kvyard form (q|k|v and gate|up are fused, so Q5_0 beside Q8_0 is kept, Q4_1 beside Q8_0
+    is not). The head too: it is not rounded here, so there is nothing to protect it from. A unit with any
+    other type (Q4_K_M files put Q6_K in some) stays dense."""
     names = set()
     for unit in linear_units(config):
         weights = [m + ".weight" for m in unit.members]

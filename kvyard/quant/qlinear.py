@@ -89,8 +89,8 @@ class _PaddedInput:
 
 
 class Int8Linear(_PaddedInput):
-    """int8 weight: y = (x @ q.T) * scale, per output channel; grouped scales (GGUF's Q8_0) dequantize instead,
-    as PyTorch's kernel takes one scale per channel."""
+    """int8 weight: y = (x @ q.T) * scale, per output channel; grouped scales or zero points (GGUF's Q8_0, Q5_0,
+    Q5_1) dequantize instead, as PyTorch's kernel takes one scale per channel and no zero point."""
 
     def __init__(self, qt: QuantizedTensor, dtype: torch.dtype, device: torch.device):
         self.out_features, self.in_features = qt.shape
@@ -98,7 +98,8 @@ class Int8Linear(_PaddedInput):
         self.k_pad = -(-self.in_features // _INT8_K_STEP) * _INT8_K_STEP
         self.q = F.pad(qt.q, (0, self.k_pad - self.in_features)).contiguous().to(device)
         self.scale = qt.scale.to(device=device, dtype=dtype).contiguous()  # [N, groups]
-        self.use_kernel = _kernels_available(device) and self.scale.shape[1] == 1
+        self.zero = None if qt.zero_point is None else (-qt.zero_point.float() * qt.scale).to(device)
+        self.use_kernel = _kernels_available(device) and self.scale.shape[1] == 1 and self.zero is None
         self.channel_scale = self.scale[:, 0].contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,11 +109,11 @@ class Int8Linear(_PaddedInput):
         return dequantized_linear(self, x)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return _scaled(self.q[:, : self.in_features].float(), self.scale.float(), None, self.group_size, dtype)
+        return _scaled(self.q[:, : self.in_features].float(), self.scale.float(), self.zero, self.group_size, dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes
+        return self.q.nbytes + self.scale.nbytes + (0 if self.zero is None else self.zero.nbytes)
 
 
 class Int4Linear(_PaddedInput):

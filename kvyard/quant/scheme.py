@@ -32,7 +32,8 @@ class WeightScheme:
     @property
     def name(self) -> str:
         if self.bits == 8:
-            return "int8" if self.group_size is None else f"int8-g{self.group_size}"  # grouped: GGUF's Q8_0 only
+            # grouped int8 (with a float zero point: -min) only comes from GGUF's blocks (loader/gguf_native.py)
+            return "int8" if self.group_size is None else f"int8-g{self.group_size}" + ("-min" if self.float_zero else "")
         return f"int4-g{self.group_size}" + ("" if self.symmetric else "-min" if self.float_zero else "-asym")
 
     @property

@@ -18,7 +18,7 @@ from tests.quant.schemes import scheme
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("name", ["int8", "int8-g32", "int4-g32", "int4-g64-asym", "int4-g128", "int4-g32-min"])
+@pytest.mark.parametrize("name", ["int8", "int8-g32", "int8-g32-min", "int4-g32", "int4-g64-asym", "int4-g128", "int4-g32-min"])
 @pytest.mark.parametrize("shape", [(96, 200), (128, 576), (400, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, KERNEL_MAX_ROWS + 9])  # kernel path, and dequantize-then-GEMM
@@ -34,7 +34,7 @@ def test_matches_dequantized_reference(name, shape, dtype, rows):
     assert rel < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("name", ["int8", "int8-g32", "int4-g32", "int4-g128-asym"])
+@pytest.mark.parametrize("name", ["int8", "int8-g32", "int8-g32-min", "int4-g32", "int4-g128-asym"])
 def test_dequantize_unpacks_the_kernel_layout(name):
     qt = QuantizedTensor.quantize(torch.randn(200, 160), scheme(name))
     lin = make_linear(qt, torch.float32, CPU)
@@ -51,7 +51,7 @@ def test_low_bit_weights_are_smaller():
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="kvyard's CPU kernels did not build here")
-@pytest.mark.parametrize("name", ["int8", "int8-g32", "int4-g32", "int4-g64-asym", "int4-g128", "int4-g64-min"])
+@pytest.mark.parametrize("name", ["int8", "int8-g32", "int8-g32-min", "int4-g32", "int4-g64-asym", "int4-g128", "int4-g64-min"])
 @pytest.mark.parametrize("shape", [(98, 200), (128, 576), (7, 96)])  # rows not in whole blocks of four
 @pytest.mark.parametrize("rows", [1, 3, 4, 17, KERNEL_MAX_ROWS + 9])
 def test_portable_kernel_matches_dequantized_reference(name, shape, rows):
