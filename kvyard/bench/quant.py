@@ -148,28 +148,24 @@ def run_quant_bench(args: argparse.Namespace) -> int:
     for scheme in schemes:
         t0 = time.perf_counter()
         kv_dtypes[scheme] = "int8" if scheme == KV_INT8 else "auto"
+        paths[scheme] = str(model_path)  # kv-int8 and gguf round no weight: they run the source itself
         if scheme == KV_INT8:  # dense weights, int8 KV cache
             f = kv_cache_fidelity(load_reference(QuantizeOptions(model=str(model_path), scheme="int8", dtype=measure_dtype)))
             fidelity[scheme] = _source_row(f, kv_cache_fidelity(fp32_source))
-            paths[scheme] = str(model_path)
-            print(f"{scheme}: {json.dumps(fidelity[scheme])}", file=sys.stderr)
-            continue
-        if scheme == KEEP_GGUF:  # the file's blocks kept; it and the plain load (the baseline) against the file
+        elif scheme == KEEP_GGUF:  # the file's blocks kept; it and the plain load (the baseline) against the file
             if measure_dtype != "float32":  # (in float32 the plain load is the reference itself)
                 fidelity[base] = _source_row(source_fidelity(fp32_source, measure_dtype, keep_blocks=False))
             fidelity[scheme] = _source_row(source_fidelity(fp32_source, measure_dtype, keep_blocks=True),
                                            source_fidelity(fp32_source, "float32", keep_blocks=True))
-            paths[scheme] = str(model_path)
-            print(f"{scheme}: {json.dumps(fidelity[scheme])}", file=sys.stderr)
-            continue
-        r = quantize_model(QuantizeOptions(model=str(model_path), scheme=scheme, out=out_root / scheme,
-                                           kl_budget=args.kl_budget, mixed_weight=args.mixed_weight,
-                                           dtype=measure_dtype, sensitivity=scheme == "mixed", protect=protect,
-                                           rounding=args.rounding, scaling=args.scaling,
-                                           outlier_columns=args.outlier_columns, head_scheme=args.head_scheme))
-        f32 = saved_fidelity(fp32_source, out_root / scheme)
-        fidelity[scheme] = {**_fidelity_row(r), **_fp32_row(f32), "quantize_s": time.perf_counter() - t0}
-        paths[scheme] = str(out_root / scheme)
+        else:
+            r = quantize_model(QuantizeOptions(model=str(model_path), scheme=scheme, out=out_root / scheme,
+                                               kl_budget=args.kl_budget, mixed_weight=args.mixed_weight,
+                                               dtype=measure_dtype, sensitivity=scheme == "mixed", protect=protect,
+                                               rounding=args.rounding, scaling=args.scaling,
+                                               outlier_columns=args.outlier_columns, head_scheme=args.head_scheme))
+            f32 = saved_fidelity(fp32_source, out_root / scheme)
+            fidelity[scheme] = {**_fidelity_row(r), **_fp32_row(f32), "quantize_s": time.perf_counter() - t0}
+            paths[scheme] = str(out_root / scheme)
         print(f"{scheme}: {json.dumps(fidelity[scheme])}", file=sys.stderr)
     del fp32_source  # float32 weights and their model: more memory than the timed engines (Qwen2.5-Coder-1.5B)
     gc.collect()

@@ -296,14 +296,13 @@ def load_gguf(path: str | Path) -> Checkpoint:
     check_tensor_names((name for name, _, _ in plan), config, str(path), f"{arch} (GGUF)")
     _check_types([t for _, t, _ in plan], path, arch)
     tokenizer = load_gguf_tokenizer(path, reader)
-    # A tied head is the embedding table; kept in its blocks it is a matmul weight of its own (the lookup stays dense).
-    native_plan = plan
-    if config.tie_word_embeddings:
-        embed = next(t for name, t, _ in plan if name == "model.embed_tokens.weight")
-        native_plan = [*plan, ("lm_head.weight", embed, None)]
-    native = native_layers(config, {name: t.tensor_type for name, t, _ in native_plan})
-    if config.tie_word_embeddings and "lm_head.weight" not in native:
-        native_plan = plan  # the embedding's type has no kvyard form: the head stays the (dense) table
+    types = {name: t.tensor_type for name, t, _ in plan}
+    embed = next(t for name, t, _ in plan if name == "model.embed_tokens.weight")
+    if config.tie_word_embeddings:  # the head is the table: kept in its blocks it becomes a weight of its own
+        types["lm_head.weight"] = embed.tensor_type
+    native = native_layers(config, types)
+    tied_head = config.tie_word_embeddings and "lm_head.weight" in native  # (the lookup table stays dense)
+    native_plan = [*plan, ("lm_head.weight", embed, None)] if tied_head else plan
     return Checkpoint(
         path=path,
         hf_config=hf_config,
