@@ -28,6 +28,19 @@ def test_is_the_fp32_product_rounded_once(shape, rows):
     assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + slack).all()
 
 
+@pytest.mark.parametrize("shape", [(960, 576), (7, 96)])
+def test_a_rows_result_does_not_depend_on_its_neighbours(shape):
+    """The widened loop takes x rows three, two or one at a time; each sum keeps one order whatever the grouping,
+    so a row's output is bit-identical in calls of 2 to 8 rows (chunked prefill and batching rely on it)."""
+    torch.manual_seed(0)
+    w = torch.randn(shape).bfloat16()
+    x = torch.randn(8, shape[1]).bfloat16()
+    full = torch.ops.kvyard.linear_bf16(x, w)
+    for rows in range(2, 8):
+        assert torch.equal(torch.ops.kvyard.linear_bf16(x[:rows], w), full[:rows]), rows
+    assert torch.equal(torch.ops.kvyard.linear_bf16(x[[5, 1]], w), full[[5, 1]])
+
+
 @pytest.mark.skipif(torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN's bf16 GEMM serves here")
 @pytest.mark.parametrize("rows", [1, FEW_ROWS])
 def test_linear_takes_it_for_a_decode_step_and_adds_the_bias(rows):
