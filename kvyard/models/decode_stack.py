@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from kvyard.models.kv_layer import LayerKV
 
 # Up to this many rows every form below takes the kernel `linear()` gives it (plain bf16 weights switch to the
-# fp32 GEMM past 32 rows), so the stack and the layer-by-layer path agree exactly.
+# fp32 GEMM past FEW_ROWS), so the stack and the layer-by-layer path agree exactly.
 FUSED_MAX_ROWS = linear_mod.FEW_ROWS
 # csrc/decode_stack.cpp's Kind
 DPBF16, AMX, LOW_BIT, AMX_LOW_BIT, LINEAR_BF16, DENSE, VNNI_LOW_BIT = range(7)

@@ -122,7 +122,7 @@ def gated_mlp_input(x: torch.Tensor, gate_up: Weight) -> torch.Tensor | None:
     return torch.ops.mkldnn._linear_pointwise.binary(x, activated, up, None, "mul")
 
 
-FEW_ROWS = 32  # rows up to which kvyard's bf16 kernel takes a plain bf16 weight (a decode step's, not a prefill's)
+FEW_ROWS = 64  # rows up to which kvyard's bf16 kernel takes a plain bf16 weight (a decode step's, not a prefill's)
 
 
 @functools.cache
@@ -143,8 +143,9 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.T
         if x.shape[0] <= FEW_ROWS and w.is_contiguous() and plain_bf16_cpu():
             # Where oneDNN has no bf16 GEMM, PyTorch's generic one ran a 32-row decode step at a third of the
             # speed of kvyard's few-row kernel (csrc/linear_bf16.cpp), whose one-row path also streams faster
-            # than torch.mv. Past 32 rows MKL's fp32 GEMM on the widened values overtakes it (about 48 rows
-            # for SmolLM2's shapes; 5-7x the generic bf16 loop at 128-512 rows).
+            # than torch.mv. Past 64 rows MKL's fp32 GEMM on the widened values catches up with it (SmolLM2's
+            # four layer shapes on a 2-core AMD EPYC: kvyard 2.0x MKL at 32 rows, 1.3x at 48, 1.06x at 64, 1.05x
+            # at 96, 0.97x at 128), and is 5-7x the generic bf16 loop at 128-512 rows.
             y = torch.ops.kvyard.linear_bf16(x.contiguous(), w)
         elif x.shape[0] == 1:
             # oneDNN's bf16 GEMM on an unpacked weight streams it at about half the speed of GEMV at one row;
