@@ -41,15 +41,20 @@ bench: $(STAMP) model
 
 # ---- peers: llama.cpp's OpenAI server, in a venv of its own (its fastapi/uvicorn never touch .venv) ----
 # Not part of `make test`. LLAMA_CPP_WHEEL=path/to/llama_cpp_python-0.3.36-*.whl installs a prebuilt wheel;
-# otherwise llama-cpp-python is built from source for AVX-512 without AMX: the native build's AMX kernels
-# die with SIGILL on multi-token prompts on CPUs that report AMX but do not let processes use it.
+# otherwise llama-cpp-python is built from source: on CPUs that report AMX, for AVX-512 without AMX (the native
+# build's AMX kernels die with SIGILL on multi-token prompts where the OS does not let processes use AMX);
+# elsewhere natively (the AVX-512 flags would die with SIGILL on an AVX2-only CPU).
 PEERS_VENV := .peers-venv
 PEERS_STAMP := $(PEERS_VENV)/.peers-installed
 LLAMA_CPP_VERSION := 0.3.36
 LLAMA_CPP_WHEEL ?=
+ifeq ($(shell grep -qw amx_tile /proc/cpuinfo 2>/dev/null && echo amx),amx)
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+else
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=ON
+endif
 
 $(PEERS_STAMP):
 	$(PYTHON) -m venv $(PEERS_VENV)
