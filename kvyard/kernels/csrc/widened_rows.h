@@ -16,31 +16,12 @@ namespace kvyard {
 
 constexpr int64_t kBlockRows = 4;  // output rows widened together: one x load serves four FMAs
 
-// out[r] = w[r] . x for `rows` (<= 4) rows of `w` [rows, k].
-inline void dot_rows(const float* w, int64_t rows, const float* x, int64_t k, float* out) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (rows == kBlockRows && k % 8 == 0) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t i = 0; i < k; i += 8) {
-      const __m256 xv = _mm256_loadu_ps(x + i);
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), xv, a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + i), xv, a1);
-      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * k + i), xv, a2);
-      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * k + i), xv, a3);
-    }
-    _mm_storeu_ps(out, sum4(a0, a1, a2, a3));
-    return;
-  }
-#endif
-  for (int64_t r = 0; r < rows; ++r) out[r] = dot(w + r * k, x, k);
-}
-
-// dot_rows for R rows of x at once (xs[j] -> outs[j]), each sum taken in the same order as dot_rows takes it, so
-// a row's result does not depend on how many rows share the call. One x row keeps four FMA chains in flight,
-// which their latency holds to about one FMA a cycle, and loads 5 vectors per 4 FMAs; R rows keep 4R chains
-// and load 4 + R per 4R FMAs.
+// outs[j][r] = w[r] . xs[j] for `rows` (<= 4) rows of `w` [rows, k] and R rows of x. Each sum is taken in one order
+// whatever R is, so a row's result does not depend on how many rows share the call. One x row keeps four FMA chains
+// in flight, which their latency holds to about one FMA a cycle, and loads 5 vectors per 4 FMAs; R rows keep 4R
+// chains and load 4 + R per 4R FMAs.
 template <int R>
-inline void dot_rows_n(const float* w, int64_t rows, const float* const* xs, int64_t k, float* const* outs) {
+inline void dot_rows(const float* w, int64_t rows, const float* const* xs, int64_t k, float* const* outs) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (rows == kBlockRows && k % 8 == 0) {
     __m256 acc[R][kBlockRows];
@@ -58,7 +39,8 @@ inline void dot_rows_n(const float* w, int64_t rows, const float* const* xs, int
     return;
   }
 #endif
-  for (int j = 0; j < R; ++j) dot_rows(w, rows, xs[j], k, outs[j]);
+  for (int j = 0; j < R; ++j)
+    for (int64_t r = 0; r < rows; ++r) outs[j][r] = dot(w + r * k, xs[j], k);
 }
 
 constexpr int kXRows = 3;  // rows of x per pass: 12 accumulators, 3 x vectors and a weight vector fill AVX2's 16
@@ -77,9 +59,9 @@ void widened_matmul(const float* xf, int64_t m, int64_t n, int64_t k, Widen&& wi
         const float* xs[kXRows];
         float* outs[kXRows] = {sums[0], sums[1], sums[2]};
         for (int64_t j = 0; j < count; ++j) xs[j] = xf + (i + j) * k;
-        if (count == kXRows) dot_rows_n<kXRows>(w.data(), rows, xs, k, outs);
-        else if (count == 2) dot_rows_n<2>(w.data(), rows, xs, k, outs);
-        else dot_rows(w.data(), rows, xs[0], k, outs[0]);
+        if (count == kXRows) dot_rows<kXRows>(w.data(), rows, xs, k, outs);
+        else if (count == 2) dot_rows<2>(w.data(), rows, xs, k, outs);
+        else dot_rows<1>(w.data(), rows, xs, k, outs);
         for (int64_t j = 0; j < count; ++j) store_row(sums[j], 1.0f, out + (i + j) * n + n0, rows);
       }
     }
