@@ -88,32 +88,48 @@ class _PaddedInput:
         return x if self.k_pad == self.in_features else F.pad(x, (0, self.k_pad - self.in_features))
 
 
-class Int8Linear(_PaddedInput):
+class _ScaledCodes:
+    """What the low-bit forms with codes `q`, fp32 scales and zero terms share (kvyard's two, and PyTorch's int8):
+    the zero term and their bytes."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+
+    @staticmethod
+    def _zero_term(qt: QuantizedTensor) -> torch.Tensor | None:
+        """w = (q - zp) * scale = q * scale + zero, so zero = -zp * scale, [N, groups]."""
+        return None if qt.zero_point is None else -qt.zero_point.float() * qt.scale
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes + (0 if self.zero is None else self.zero.nbytes)
+
+
+class Int8Linear(_ScaledCodes, _PaddedInput):
     """int8 weight: y = (x @ q.T) * scale, per output channel; grouped scales or zero points (GGUF's Q8_0, Q5_0,
-    Q5_1) dequantize instead, as PyTorch's kernel takes one scale per channel and no zero point."""
+    Q5_1) dequantize instead, as PyTorch's kernel takes one scale per channel and no zero point. Scales stay fp32
+    (a GGUF's are exact there); the kernel gets its per-channel copy in the model's dtype."""
 
     def __init__(self, qt: QuantizedTensor, dtype: torch.dtype, device: torch.device):
         self.out_features, self.in_features = qt.shape
         self.group_size = qt.group_size
         self.k_pad = -(-self.in_features // _INT8_K_STEP) * _INT8_K_STEP
         self.q = F.pad(qt.q, (0, self.k_pad - self.in_features)).contiguous().to(device)
-        self.scale = qt.scale.to(device=device, dtype=dtype).contiguous()  # [N, groups]
-        self.zero = None if qt.zero_point is None else (-qt.zero_point.float() * qt.scale).to(device)
-        self.use_kernel = _kernels_available(device) and self.scale.shape[1] == 1 and self.zero is None
-        self.channel_scale = self.scale[:, 0].contiguous()
+        self.scale = qt.scale.float().contiguous().to(device)  # [N, groups]
+        zero = self._zero_term(qt)
+        self.zero = None if zero is None else zero.to(device)
+        per_channel = self.scale.shape[1] == 1 and self.zero is None
+        self.channel_scale = self.scale[:, 0].to(dtype).contiguous() if per_channel and _kernels_available(device) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernel and x.shape[0] <= KERNEL_MAX_ROWS:
+        if self.channel_scale is not None and x.shape[0] <= KERNEL_MAX_ROWS:
             return torch.ops.aten._weight_int8pack_mm(self._pad_x(x).contiguous(), self.q,
                                                       self.channel_scale.to(x.dtype))
         return dequantized_linear(self, x)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return _scaled(self.q[:, : self.in_features].float(), self.scale.float(), self.zero, self.group_size, dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes + (0 if self.zero is None else self.zero.nbytes)
+        return _scaled(self.q[:, : self.in_features].float(), self.scale, self.zero, self.group_size, dtype)
 
 
 class Int4Linear(_PaddedInput):
@@ -183,24 +199,7 @@ def _scaled(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
     return w.to(dtype)
 
 
-class _KvyardLowBit:
-    """What kvyard's two low-bit forms share: codes `q`, fp32 scales and zero terms, their bytes."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor | None
-
-    @staticmethod
-    def _zero_term(qt: QuantizedTensor) -> torch.Tensor | None:
-        """w = (q - zp) * scale = q * scale + zero, so zero = -zp * scale, [N, groups]."""
-        return None if qt.zero_point is None else -qt.zero_point.float() * qt.scale
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes + (0 if self.zero is None else self.zero.nbytes)
-
-
-class VnniLowBitLinear(_KvyardLowBit):
+class VnniLowBitLinear(_ScaledCodes):
     """int8 (per channel) or int4 (per group) weight in VNNI blocks of 32 output columns (int4: q + 8, two per
     byte), scales and zero terms as [groups, N] fp32, for kvyard's AMX kernel (csrc/amx_lowbit.cpp) or, on
     AVX-512 CPUs without AMX, its register kernel (csrc/vnni_lowbit.cpp). y = sum over groups of scale * (x . q)
@@ -275,7 +274,7 @@ def _on_amx() -> bool:  # asked once: a decode step makes ~120 low-bit calls
     return cpu_kernels.amx_available()
 
 
-class PlainLowBitLinear(_KvyardLowBit, _PaddedInput):
+class PlainLowBitLinear(_ScaledCodes, _PaddedInput):
     """int8 (per channel) or int4 (per group) weight for kvyard's portable kernel (csrc/lowbit_linear.cpp),
     which streams it at close to memory speed for a decode step's rows on CPUs without AMX: q row-major
     (int4: codes q + 8, two per byte, each run of 32 values as 16 bytes with value j low and j + 16 high),

@@ -41,6 +41,20 @@ def test_dequantize_unpacks_the_kernel_layout(name):
     assert torch.allclose(lin.dequantize(torch.float32), qt.dequantize(), atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["int8", "int8-g32", "int8-g32-min"])
+@pytest.mark.parametrize("rows", [1, KERNEL_MAX_ROWS + 9])
+def test_pytorch_int8_form_matches_dequantized_reference(name, rows):
+    """The last-resort int8 form (CPUs where kvyard's kernels do not build): per channel on PyTorch's kernel,
+    grouped or zero-pointed (GGUF's Q8_0, Q5_0, Q5_1) dequantized with its fp32 scales."""
+    torch.manual_seed(0)
+    qt = QuantizedTensor.quantize(torch.randn(96, 200), scheme(name))
+    lin = Int8Linear(qt, torch.float32, CPU)
+    assert torch.allclose(lin.dequantize(torch.float32), qt.dequantize(), atol=1e-6)
+    x = torch.randn(rows, 200)
+    ref = x.double() @ qt.dequantize().double().T
+    assert ((lin(x).double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
 def test_low_bit_weights_are_smaller():
     w = torch.randn(512, 1024)
     int8 = Int8Linear(QuantizedTensor.quantize(w, scheme("int8")), torch.bfloat16, CPU)
