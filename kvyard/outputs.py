@@ -8,6 +8,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: dict[int, float]  # the top-n alternatives, token id -> logprob
+    rank: int | None = None  # the token's rank in its distribution (1: the likeliest); prompt logprobs only
 
 
 @dataclass
@@ -31,3 +32,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None

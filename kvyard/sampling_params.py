@@ -7,6 +7,7 @@ from kvyard.errors import InvalidRequestError
 from kvyard.structured.spec import StructuredOutput
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: +-100 bans or forces a token, anything between nudges it
 
 
 @dataclass
@@ -25,6 +26,11 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives to return with each sampled token
+    # vLLM's prompt_logprobs: each prompt token's logprob (the first has none) and the top-n alternatives.
+    prompt_logprobs: int | None = None
+    # OpenAI's logit_bias: token id -> value added to its logit before sampling (after penalties, before a
+    # grammar's mask, so a grammar still decides what is allowed).
+    logit_bias: dict[int, float] | None = None
     n: int = 1
     skip_special_tokens: bool = True
     # Finish with "repetition" when the output loops (kvyard/engine/repetition.py); None: never.
@@ -55,6 +61,8 @@ class SamplingParams:
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("min_tokens", isinstance(self.min_tokens, int) and 0 <= self.min_tokens, "must be >= 0"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"must be in [0, {MAX_LOGPROBS}]"),
             ("n", isinstance(self.n, int) and 1 <= self.n <= 128, "must be in [1, 128]"),
             ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
@@ -63,6 +71,7 @@ class SamplingParams:
         for name, ok, why in checks:
             if not ok:
                 raise InvalidRequestError(f"{name} {why}, got {getattr(self, name)!r}", param=name)
+        self._validate_logit_bias()
         if self.repetition_detection is not None:
             if not isinstance(self.repetition_detection, RepetitionDetection):
                 raise InvalidRequestError("repetition_detection must be a RepetitionDetection",
@@ -75,3 +84,18 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", param="min_tokens"
             )
+
+    def _validate_logit_bias(self) -> None:
+        """Ids must be token ids (the engine checks them against its vocabulary), values within +-100."""
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidRequestError("logit_bias must map token ids to numbers", param="logit_bias")
+        for token, value in self.logit_bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias")
+            if (not isinstance(value, int | float) or isinstance(value, bool)
+                    or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+                raise InvalidRequestError(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r} "
+                    f"for token {token}", param="logit_bias")

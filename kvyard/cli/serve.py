@@ -28,6 +28,10 @@ _SERVER_FLAGS: list[tuple[str, type, str]] = [
     ("drain_timeout", float, "seconds in-flight requests get to finish after SIGTERM (default 30)"),
     ("served_model_name", str, "the model name clients use (default: --model)"),
     ("log_level", str, "uvicorn and kvyard log level (default info)"),
+    ("repetition_guard", str, "when a generation loops: stop (default: finish_reason \"repetition\"), retry or off; "
+                              "detection settings come from --config's server.repetition_guard"),
+    ("generation_config", str, "sampling defaults for what a request leaves out: auto (default: the model's "
+                               "generation_config.json or GGUF metadata) or none (kvyard's own)"),
     ("kv_events_port", int, "publish KV cache events for `kvyard route` on this ZeroMQ port (0: any free port)"),
     ("role", str, "prefill/decode disaggregation: both (default), prefill or decode"),
     ("kv_transfer_port", int, "prefill role: ZeroMQ port decode workers pull KV from (default: any free port)"),

@@ -187,8 +187,10 @@ class BlockManager:
         """Cached blocks that hold the longest prefix of the request's tokens.
 
         At least the last token is always left to compute: its logits are what the step samples from.
+        A request that still needs its prompt logprobs takes none: a cached block has KV but no logits,
+        so it computes its whole prompt (its blocks are still committed for later requests).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req.needs_prompt_logprobs:
             return []
         bs = self.block_size
         usable = (req.num_tokens - 1) // bs

@@ -16,6 +16,7 @@ from kvyard.engine.host_memory import keep_freed_memory
 from kvyard.engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from kvyard.engine.kv_handoff import HeldKV, select_blocks
 from kvyard.engine.model_runner import ModelRunner
+from kvyard.engine.prompt_logprobs import record_prompt_logprobs
 from kvyard.engine.repetition import RepetitionDetector
 from kvyard.engine.request import Request
 from kvyard.engine.sampler import sample
@@ -61,6 +62,8 @@ class LLMEngine:
         ckpt = load_checkpoint(path)
         self.model_path = path
         self.model_config = ckpt.config
+        # The model's own sampling defaults (generation_config.json, GGUF metadata); the server applies them.
+        self.generation_defaults = ckpt.generation_defaults
         self.tokenizer = ckpt.tokenizer
         self._fast_tokenizer = ckpt.tokenizer.backend_tokenizer
         device = torch.device(cfg.device)
@@ -92,7 +95,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
         self.held: dict[str, HeldKV] = {}  # KV of finished prefill-only requests, until pulled (kv_handoff)
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "aborted": 0}
 
     def _weights(self, ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         if not self.cfg.quantization:
@@ -122,10 +125,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids)
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab}",
-                                      param="stop_token_ids")
+        self._check_token_ids(params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
@@ -171,12 +171,21 @@ class LLMEngine:
                 param="prompt",
             )
 
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        # The sampler indexes logits with these; an id past the vocabulary must never reach it.
+        vocab = self.model_config.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            if any(t >= vocab for t in ids):
+                raise InvalidRequestError(f"{name}: token ids must be below the vocabulary size {vocab}",
+                                          param=name)
+
     def abort_request(self, request_id: str) -> bool:
         tracked = self._tracked.get(request_id)
         if tracked is None or tracked.req.finished:
             return False
         self.scheduler.finish(tracked.req, "abort")
         self._pending.append(self._output(tracked))
+        self.stats["aborted"] += 1
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -194,6 +203,10 @@ class LLMEngine:
         try:
             step = self.runner.prepare(batch)
             logits = self.runner.execute(step)
+            if step.prompt_rows:  # rows past the sampled ones: prompt positions to score
+                sampled_rows = sum(step.num_rows)
+                record_prompt_logprobs(logits[sampled_rows:], step.prompt_rows)
+                logits = logits[:sampled_rows]
             plain, plain_logits, verifying = split_logits(step.sampled, step.num_rows, logits)
             result = sample(plain_logits, plain)
         except Exception:
@@ -302,7 +315,9 @@ class LLMEngine:
                 n = len(req.held_blocks)
                 self.held[req.request_id] = HeldKV(req.request_id, req.held_blocks, req.block_hashes[:n],
                                                    req.token_ids[: n * self.cfg.block_size])
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, metrics)
+        # Complete before the first token is sampled, and never changed after: shared, not copied per output.
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, metrics,
+                             prompt_logprobs=req.prompt_logprobs)
 
     # ---- KV handoff (prefill/decode disaggregation) ---------------------------------------------------
 

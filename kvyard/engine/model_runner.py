@@ -20,6 +20,9 @@ class StepInput:
     sampled: list[Request]  # the requests whose logits rows come back, in row order
     # Logits rows of each sampled request: 1, or 1 + its drafts when it verifies speculative tokens.
     num_rows: list[int] = field(default_factory=list)
+    # Prompt logprobs: (request, first position, count) of rows that follow the sampled ones; the row of
+    # position p holds the logits that predicted prompt token p + 1.
+    prompt_rows: list[tuple[Request, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -43,6 +46,8 @@ class ModelRunner:
         logits_rows: list[int] = []
         sampled: list[Request] = []
         num_rows: list[int] = []
+        prompt_rows: list[tuple[Request, int, int]] = []
+        prompt_indices: list[int] = []
         decodes = [r for r, n in pairs if n == 1]
         prefills: list[PrefillSpan] = []
         for req, n in pairs:
@@ -61,6 +66,14 @@ class ModelRunner:
                 logits_rows.extend(range(row + n - 1 - k, row + n))
                 sampled.append(req)
                 num_rows.append(k + 1)
+            if req.needs_prompt_logprobs:
+                # Positions whose next token is a prompt token not yet scored (a recompute after a
+                # preemption scores nothing twice); the last prompt position predicts the first output.
+                first = max(start, len(req.prompt_logprobs or ()) - 1)
+                end = min(start + n, req.num_prompt_tokens - 1)
+                if end > first:
+                    prompt_rows.append((req, first, end - first))
+                    prompt_indices.extend(range(row + first - start, row + end - start))
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), block_size=self.block_size,
                                  prefills=prefills)
@@ -70,9 +83,10 @@ class ModelRunner:
             input_ids=torch.tensor(ids, device=dev),
             positions=torch.tensor(pos, device=dev),
             meta=meta,
-            logits_indices=torch.tensor(logits_rows, device=dev, dtype=torch.long),
+            logits_indices=torch.tensor(logits_rows + prompt_indices, device=dev, dtype=torch.long),
             sampled=sampled,
             num_rows=num_rows,
+            prompt_rows=prompt_rows,
         )
 
     def _prefill_span(self, req: Request, row: int, n: int) -> PrefillSpan:

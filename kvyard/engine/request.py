@@ -38,6 +38,9 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
+    # With params.prompt_logprobs: the prompt's tokens covered so far (the first has none), filled as its
+    # prefill chunks run (kvyard/engine/prompt_logprobs.py).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
@@ -54,6 +57,8 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         if not self.params.greedy:
             self.generator = torch.Generator()
             self.generator.manual_seed(
@@ -71,6 +76,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: every prompt position needs its logits."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,9 +1,11 @@
 """Batched sampling where every row carries its own parameters.
 
-Order of operations: raw logprobs (reported as the model's own distribution), then penalties, the
-min_tokens mask, the grammar bitmask of constrained rows (kvyard/structured/bitmask.py), and finally
-greedy argmax or temperature/top-k/top-p/min-p sampling. Seeded rows draw from their request's own
-generator, so a seed reproduces the same tokens whatever the batch; unseeded rows share one draw.
+Order of operations: raw logprobs (reported as the model's own distribution), then penalties, logit_bias,
+the min_tokens mask, the grammar bitmask of constrained rows (kvyard/structured/bitmask.py), and finally
+greedy argmax or temperature/top-k/top-p/min-p sampling. The bias comes before the masks so that a bias
+can never bring back a token they forbid (a grammar's -inf plus 100 is still -inf). Seeded rows draw
+from their request's own generator, so a seed reproduces the same tokens whatever the batch; unseeded
+rows share one draw.
 """
 
 from dataclasses import dataclass
@@ -61,6 +63,14 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
             out_ids = torch.tensor(out, dtype=torch.long, device=row.device)
             counts = torch.bincount(out_ids, minlength=row.shape[0]).to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
+    for i, r in enumerate(reqs):
+        bias = r.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
 
 
 def apply_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> None:
@@ -171,11 +181,13 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def process_logits(logits: torch.Tensor, reqs: list[Request]) -> None:
-    """Everything between the model's logits and the choice, in place: penalties, min_tokens, grammar.
+    """Everything between the model's logits and the choice, in place: penalties, logit_bias, min_tokens,
+    grammar.
 
     Speculative verification (kvyard/spec/verify.py) runs this too, on each verified position's row.
     """
     apply_penalties(logits, reqs)
+    apply_logit_bias(logits, reqs)
     apply_min_tokens(logits, reqs)
     if any(r.grammar is not None for r in reqs):
         from kvyard.structured.bitmask import apply_grammar_bitmask  # lazily: xgrammar only when used

@@ -1,7 +1,7 @@
 """One view of a checkpoint, whatever its on-disk format: config, tokenizer and named tensors."""
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,8 @@ class Checkpoint:
     # and how many.
     native_tensors: TensorStream | None = None
     native_layers: int = 0
+    # SamplingParams fields the model's authors recommend (loader/generation_defaults.py); may be empty.
+    generation_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:

@@ -23,6 +23,7 @@ from gguf.quants import dequantize
 
 from kvyard.errors import CheckpointError, UnsupportedArchitectureError
 from kvyard.loader.checkpoint import Checkpoint
+from kvyard.loader.generation_defaults import from_gguf_metadata
 from kvyard.loader.gguf_native import SCHEMES, read_native
 from kvyard.loader.hf_dir import check_tensor_names, expected_tensor_names
 from kvyard.models.config import ModelConfig
@@ -311,6 +312,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
         tensors=lambda: _stream(plan, path),  # each ReaderTensor's data is a view of the memmap
         native_tensors=lambda: _stream(native_plan, path, native),
         native_layers=len(native),
+        generation_defaults=from_gguf_metadata(gguf_metadata(reader), str(path)),
     )
 
 

@@ -10,6 +10,7 @@ from safetensors import SafetensorError, safe_open
 
 from kvyard.errors import CheckpointError, UnsupportedArchitectureError
 from kvyard.loader.checkpoint import Checkpoint
+from kvyard.loader.generation_defaults import from_generation_config
 from kvyard.models.config import ModelConfig
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -163,6 +164,7 @@ def load_hf_dir(path: str | Path) -> Checkpoint:
         config=config,
         tokenizer=load_hf_tokenizer(root),
         tensors=lambda: _stream(locations, wanted),
+        generation_defaults=from_generation_config(root),
     )
 
 
@@ -183,4 +185,5 @@ def _quantized_checkpoint(root: Path, hf_config: dict[str, Any], config: ModelCo
         config=config,
         tokenizer=load_hf_tokenizer(root),
         tensors=lambda: quantized_stream(locations, dense, plan, str(root)),
+        generation_defaults=from_generation_config(root),
     )

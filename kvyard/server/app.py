@@ -18,6 +18,7 @@ from kvyard.server.guards import GuardMiddleware
 from kvyard.server.kv_routes import install_kv_routes
 from kvyard.server.openapi import install_openapi
 from kvyard.server.protocol import ModelCard, ModelList
+from kvyard.server.tokenize_api import install_tokenize_routes
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -34,7 +35,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        card = ModelCard(id=ctx.model_name, created=ctx.created, max_model_len=engine.max_model_len)
+        card = ModelCard(id=ctx.model_name, created=ctx.created, max_model_len=engine.max_model_len,
+                         generation_defaults=ctx.generation_defaults)
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
     @app.post("/v1/completions")
@@ -45,6 +47,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, ctx)
 
+    install_tokenize_routes(app, ctx)  # vLLM's /tokenize and /detokenize
     install_kv_routes(app, engine, settings, ctx.model_name, ctx.disagg)  # /kv/config, /kv/snapshot, event publisher
 
     @app.get("/health")

@@ -79,6 +79,7 @@ class EngineStats:
     generation_tokens: int = 0
     num_open_requests: int = 0  # accepted requests whose final output has not been delivered yet
     num_held_kv: int = 0  # finished prefill-only requests whose KV waits to be pulled (disaggregation)
+    num_aborted: int = 0  # requests the engine aborted before they finished (clients gone, cancellations)
     # Speculative decoding (kvyard/spec/stats.py); all zero when it is off.
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -170,6 +171,7 @@ class AsyncEngine:
         # Front-end copies of what callers need, so they never read engine state from another thread.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.model_config = engine.model_config
+        self.generation_defaults = dict(engine.generation_defaults)
         self.max_model_len = engine.max_model_len
         self.model_name = engine.cfg.model
         self.block_size = engine.cfg.block_size
@@ -425,6 +427,7 @@ class AsyncEngine:
             generation_tokens=stats["generation_tokens"],
             num_open_requests=len(self._sinks),
             num_held_kv=len(eng.held),
+            num_aborted=stats["aborted"],
         )
         if eng.spec is not None:
             spec = eng.spec.stats

@@ -15,8 +15,15 @@ from kvyard.errors import InvalidRequestError, PromptTooLongError
 from kvyard.outputs import RequestOutput
 from kvyard.server.context import ServerContext
 from kvyard.server.errors import APIError
-from kvyard.server.generation import EngineRun, event_stream, guard_for, new_id, sampling_params
-from kvyard.server.logprobs import chat_logprobs
+from kvyard.server.generation import (
+    EngineRun,
+    default_max_tokens,
+    event_stream,
+    guard_for,
+    new_id,
+    sampling_params,
+)
+from kvyard.server.logprobs import chat_logprobs, prompt_logprobs
 from kvyard.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -42,6 +49,9 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     model = ctx.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if body.stream and body.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs are not available when stream is true (as in vLLM)",
+                       param="prompt_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     tools = ToolPlan.from_request(body, ctx.engine.tokenizer.chat_template)
     constraint = requested_output(body)
@@ -56,9 +66,10 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
             # OpenAI's default: as much as the context allows (the engine stops at the context limit).
-            max_tokens = max(1, ctx.engine.max_model_len - len(prompt))
+            max_tokens = default_max_tokens(ctx.generation_defaults, max(1, ctx.engine.max_model_len - len(prompt)))
         guard = guard_for(ctx, body)
-        params = sampling_params(body, max_tokens, logprobs, ctx.engine.model_config.vocab_size, guard)
+        params = sampling_params(body, max_tokens, logprobs, ctx.engine.model_config.vocab_size, guard,
+                                 ctx.generation_defaults, body.prompt_logprobs)
         if constraint is not None:
             params = replace(params, structured_output=constraint)
         run = EngineRun(ctx, new_id("chatcmpl"), arrival, guard, streaming=bool(body.stream))
@@ -71,7 +82,7 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     try:
         with run.closing():
             response = await run_until_disconnect(request, _collect(ctx, run, model, logprobs is not None,
-                                                                    tools.active))
+                                                                    tools.active, body.prompt_logprobs))
     except ClientDisconnected:
         return Response(status_code=499)  # nobody is listening; the engine requests are already aborted
     return Response(response.model_dump_json(), media_type="application/json")
@@ -97,7 +108,7 @@ async def _logprobs(ctx: ServerContext, out: RequestOutput, first: int) -> ChatL
 
 
 async def _collect(ctx: ServerContext, run: EngineRun, model: str, want_logprobs: bool,
-                   with_tools: bool) -> ChatCompletionResponse:
+                   with_tools: bool, prompt_top: int | None = None) -> ChatCompletionResponse:
     finals: dict[int, RequestOutput] = {}
     async for choice, out in run.outputs():
         if out.finished:
@@ -112,8 +123,11 @@ async def _collect(ctx: ServerContext, run: EngineRun, model: str, want_logprobs
             logprobs=await _logprobs(ctx, out, 0) if want_logprobs else None,
             finish_reason=_finish_reason(c.finish_reason, bool(calls)),
         ))
+    scored = None
+    if prompt_top is not None:  # one conversation for every choice: the first choice's scoring says it all
+        scored = await prompt_logprobs(ctx.tokenizer, finals[min(finals)].prompt_logprobs or [], prompt_top)
     return ChatCompletionResponse(id=run.request_id, created=int(time.time()), model=model, choices=choices,
-                                  usage=Usage(**run.usage()))
+                                  usage=Usage(**run.usage()), prompt_logprobs=scored)
 
 
 def _stream(ctx: ServerContext, run: EngineRun, model: str, body: ChatCompletionRequest,

@@ -27,6 +27,10 @@ from kvyard.errors import ConfigError, InvalidRequestError
 from kvyard.server.repetition import RepetitionGuard, guard_setting
 
 ROLES = ("both", "prefill", "decode")
+GENERATION_CONFIGS = ("auto", "none")
+# What a deployment (`kvyard serve`, `make serve`) does about loops unless its file or flags say otherwise.
+# The dataclass default stays off: code that builds ServerSettings itself (tests, embedders) opts in.
+DEPLOYMENT_GUARD_ACTION = "stop"
 
 
 @dataclass
@@ -44,6 +48,9 @@ class ServerSettings:
     # What to do when a generation loops: {action: off|stop|retry, max_retries, min_count, ...}
     # (kvyard/server/repetition.py); requests may override it. A mapping here, a RepetitionGuard after.
     repetition_guard: RepetitionGuard | dict[str, Any] | None = None
+    # Sampling defaults for parameters a request leaves out: "auto", the model's own (generation_config.json
+    # or GGUF metadata, as vLLM's --generation-config auto); "none", kvyard's SamplingParams defaults.
+    generation_config: str = "auto"
     # Publish KV cache events for a cache-aware router on this ZeroMQ port (0: any free port); None: off.
     kv_events_port: int | None = None
     # Prefill/decode disaggregation (kvyard/server/disagg.py). prefill: computes prompts' KV for decode
@@ -68,6 +75,8 @@ class ServerSettings:
             ("drain_timeout", self.drain_timeout >= 0, "must be >= 0"),
             ("api_key", self.api_key is None or bool(self.api_key), "must not be empty"),
             ("role", self.role in ROLES, f"must be one of {', '.join(ROLES)}"),
+            ("generation_config", self.generation_config in GENERATION_CONFIGS,
+             f"must be one of {', '.join(GENERATION_CONFIGS)}"),
             ("kv_transfer_port", self.kv_transfer_port is None or 0 <= self.kv_transfer_port <= 65535,
              "must be in [0, 65535]"),
             ("kv_transfer_mode", self.kv_transfer_mode in ("blocks", "layers"), "must be blocks or layers"),
@@ -154,10 +163,20 @@ def _matches(value: Any, hint: Any) -> bool:
 def build_configs(
     deploy: DeployConfig | None, engine_flags: dict[str, Any], server_flags: dict[str, Any]
 ) -> tuple[EngineConfig, ServerSettings]:
-    """Merge defaults, the file and the flags that were given explicitly (later wins)."""
+    """Merge defaults, the file and the flags that were given explicitly (later wins).
+
+    The repetition guard of a deployment is on (`stop`) unless the file or `--repetition-guard` names
+    another action; the flag, an action name, keeps the file's detection settings.
+    """
     deploy = deploy or DeployConfig()
     engine = {**deploy.engine, **engine_flags}
     server = {**deploy.server, **server_flags}
+    guard = deploy.server.get("repetition_guard")
+    if isinstance(guard, dict) or guard is None:
+        server["repetition_guard"] = {"action": DEPLOYMENT_GUARD_ACTION, **(guard or {})}
+    action = server_flags.get("repetition_guard")
+    if isinstance(action, str):
+        server["repetition_guard"] = {**(guard if isinstance(guard, dict) else {}), "action": action}
     check_fields(EngineConfig, engine, "engine")
     check_fields(ServerSettings, server, "server")
     return EngineConfig(**engine), ServerSettings(**server)

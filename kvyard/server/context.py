@@ -24,6 +24,8 @@ class ServerContext:
     model_name: str
     grammars: GrammarService
     disagg: Disaggregation
+    # What a request that leaves a sampling parameter out gets (settings.generation_config)
+    generation_defaults: dict[str, float | int] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -40,6 +42,7 @@ class ServerContext:
             model_name=settings.served_model_name or engine.model_name,
             grammars=GrammarService(engine, tokenizer),
             disagg=Disaggregation(engine, settings, metrics.registry),
+            generation_defaults=dict(engine.generation_defaults) if settings.generation_config == "auto" else {},
         )
 
     def check_model(self, name: str | None) -> str:

@@ -53,9 +53,15 @@ def guard_for(ctx: ServerContext, body: SamplingFields) -> RepetitionGuard:
 
 
 def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int,
-                    guard: RepetitionGuard | None = None) -> SamplingParams:
-    """Validated SamplingParams (InvalidRequestError names the field) from the fields the client set."""
-    kwargs = {name: getattr(body, name) for name in _OPTIONAL_FIELDS if getattr(body, name) is not None}
+                    guard: RepetitionGuard | None = None, defaults: dict[str, float | int] | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """Validated SamplingParams (InvalidRequestError names the field) from the fields the client set.
+
+    A field the client left out takes the model's default (`defaults`, generation_config.json) where it
+    has one, else SamplingParams' own; max_tokens is settled by the endpoint (`default_max_tokens`).
+    """
+    kwargs = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"}
+    kwargs.update({name: getattr(body, name) for name in _OPTIONAL_FIELDS if getattr(body, name) is not None})
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     stop_token_ids = list(body.stop_token_ids or [])
     if any(t >= vocab_size for t in stop_token_ids):
@@ -64,7 +70,30 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
                                   param="stop_token_ids")
     detection = guard.detection if guard is not None and guard.enabled else None
     return SamplingParams(max_tokens=max_tokens, stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs,
-                          n=1 if body.n is None else body.n, repetition_detection=detection, **kwargs)
+                          n=1 if body.n is None else body.n, repetition_detection=detection,
+                          logit_bias=logit_bias(body.logit_bias, vocab_size), prompt_logprobs=prompt_logprobs,
+                          **kwargs)
+
+
+def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's `{"token id": bias}` as token ids, each checked against the vocabulary (values: SamplingParams)."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token < vocab_size:
+            raise InvalidRequestError(f"logit_bias: {key!r} is not a token id of this model (0 to {vocab_size - 1})",
+                                      param="logit_bias")
+        out[token] = value
+    return out
+
+
+def default_max_tokens(defaults: dict[str, float | int], fallback: int) -> int:
+    """max_tokens for a request that gives none: the endpoint's default, capped by the model's
+    max_new_tokens (vLLM takes the smaller of the two as well)."""
+    model = defaults.get("max_tokens")
+    return fallback if model is None else max(1, min(fallback, int(model)))
 
 
 @dataclass

@@ -1,9 +1,17 @@
-"""Engine logprobs (`TokenLogprob`) in the two shapes OpenAI uses: legacy completions and chat."""
+"""Engine logprobs (`TokenLogprob`) in the shapes clients read: OpenAI's legacy completions and chat,
+and vLLM's `prompt_logprobs`."""
 
 from collections.abc import Sequence
 
 from kvyard.outputs import TokenLogprob
-from kvyard.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from kvyard.server.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TopLogprob,
+)
 from kvyard.server.tokenization import FrontendTokenizer
 
 
@@ -38,3 +46,37 @@ async def chat_logprobs(tokenizer: FrontendTokenizer, logprobs: Sequence[TokenLo
         for lp in logprobs
     ]
     return ChatLogprobs(content=content)
+
+
+async def echo_logprobs(tokenizer: FrontendTokenizer, prompt_ids: Sequence[int],
+                        scored: Sequence[TokenLogprob | None], top_n: int) -> CompletionLogprobs:
+    """The prompt's part of an echoed completion's logprobs: the first token has none (null), as in OpenAI."""
+    ids = list(prompt_ids) + [t for lp in scored if lp is not None for t in lp.top]
+    texts = dict(zip(ids, await tokenizer.token_texts(ids), strict=True))
+    out = CompletionLogprobs()
+    offset = 0
+    for token, lp in zip(prompt_ids, scored, strict=True):
+        out.tokens.append(texts[token])
+        out.token_logprobs.append(None if lp is None else lp.logprob)
+        top = None if lp is None else list(lp.top.items())[:top_n]  # the engine scored the larger of two asks
+        out.top_logprobs.append(None if top is None else {texts[t]: v for t, v in top})
+        out.text_offset.append(offset)
+        offset += len(texts[token])
+    return out
+
+
+async def prompt_logprobs(tokenizer: FrontendTokenizer, scored: Sequence[TokenLogprob | None],
+                          top_n: int) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: per prompt token, its own entry first, then the top-n (each with its rank)."""
+    ids = [t for lp in scored if lp is not None for t in (lp.token_id, *lp.top)]
+    texts = dict(zip(ids, await tokenizer.token_texts(ids), strict=True))
+    out: PromptLogprobs = []
+    for lp in scored:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(lp.token_id): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=texts[lp.token_id])}
+        for rank, (t, v) in enumerate(list(lp.top.items())[:top_n], start=1):
+            entry.setdefault(str(t), PromptLogprob(logprob=v, rank=rank, decoded_token=texts[t]))
+        out.append(entry)
+    return out

@@ -21,12 +21,20 @@ from kvyard.server.protocol import (
     CompletionResponse,
     ModelList,
 )
+from kvyard.server.tokenize_api import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 # path -> (method, request body model or None, response model, streams when the body says stream: true)
 _ROUTES: dict[str, tuple[str, type[BaseModel] | None, type[BaseModel], type[BaseModel] | None]] = {
     "/v1/completions": ("post", CompletionRequest, CompletionResponse, CompletionResponse),
     "/v1/chat/completions": ("post", ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
     "/v1/models": ("get", None, ModelList, None),
+    "/tokenize": ("post", TokenizeRequest, TokenizeResponse, None),
+    "/detokenize": ("post", DetokenizeRequest, DetokenizeResponse, None),
 }
 
 _ERROR = {

@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI API (completions, chat completions), plus vLLM's sampling extensions.
 
 Types are strict: `"max_tokens": "5"` or `true` for an integer is a 400, not a silent coercion. Unknown
-fields are accepted and ignored, because OpenAI clients send fields we do not implement (`logit_bias`,
-`service_tier`, ...). Ranges are left to `SamplingParams.validate`, the one place that defines them, except
+fields are accepted and ignored, because OpenAI clients send fields we do not implement (`service_tier`,
+`metadata`, ...). Ranges are left to `SamplingParams.validate`, the one place that defines them, except
 for what only the server knows (which parameters exist only on one endpoint, bounds of the wire format).
 """
 
@@ -110,6 +110,8 @@ class SamplingFields(OpenAIModel):
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    # token id (as a string, OpenAI's wire form) -> bias in [-100, 100]; checked in generation.sampling_params
+    logit_bias: dict[StrictStr, StrictFloat] | None = None
     # vLLM extensions
     top_k: Count | None = None
     min_p: StrictFloat | None = None
@@ -119,6 +121,7 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: StrictBool | None = None
     repetition_detection: VLLMRepetitionDetection | None = None
+    prompt_logprobs: Count | None = None  # per prompt token: its logprob and the top-n (not with stream)
     # kvyard extension
     repetition_guard: RepetitionGuardFields | None = None
     # Structured output (kvyard/server/structured.py): OpenAI's response_format, vLLM's guided_* and
@@ -261,9 +264,28 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    # None for the first prompt token of an echo: nothing predicts it (as OpenAI and vLLM answer)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+    def extend(self, other: "CompletionLogprobs") -> None:
+        self.tokens += other.tokens
+        self.token_logprobs += other.token_logprobs
+        self.top_logprobs += other.top_logprobs
+        self.text_offset += other.text_offset
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one entry of `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# One dict per prompt token (None for the first), token id -> entry: the prompt's token, then the top-n.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -271,6 +293,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -323,6 +346,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM puts them beside the choices: one prompt for all
 
 
 class FunctionCallDelta(BaseModel):
@@ -378,6 +402,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kvyard"
     max_model_len: int
+    # The model's own sampling defaults, used where a request leaves a parameter out (generation_config.json)
+    generation_defaults: dict[str, float | int] = Field(default_factory=dict)
 
 
 class ModelList(BaseModel):

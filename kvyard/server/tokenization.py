@@ -27,23 +27,33 @@ class FrontendTokenizer:
         """`fn(tokenizer)` on the tokenizer's thread, for other readers of it (the grammar compiler)."""
         return await self._call(fn, self._tok)
 
-    async def encode(self, text: str) -> list[int]:
-        # The same call LLMEngine.tokenize makes, so a text prompt means the same tokens either way.
-        return await self._call(lambda: self._tok(text, add_special_tokens=True).input_ids)
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # By default the same call LLMEngine.tokenize makes, so a text prompt means the same tokens either way.
+        return await self._call(lambda: self._tok(text, add_special_tokens=add_special_tokens).input_ids)
 
-    async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        return await self._call(lambda: self._tok.decode(list(token_ids)))
+
+    async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                   add_generation_prompt: bool = True, continue_final_message: bool = False,
+                   add_special_tokens: bool = False) -> list[int]:
+        """The conversation through the chat template, as token ids. The template writes its own special
+        tokens, so the rendered text is encoded without adding more unless asked (/tokenize's option)."""
         def render() -> list[int]:
             if self._tok.chat_template is None:
                 raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
             kwargs: dict[str, Any] = {"tools": tools} if tools else {}
             try:
-                return self._tok.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+                text = self._tok.apply_chat_template(
+                    messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                    continue_final_message=continue_final_message, **kwargs
                 )
             except Exception as e:
                 # Templates reject conversations they cannot express (roles out of order, a tool call
                 # where the template expects text, ...): that is the request's fault, hence a 400.
                 raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from e
+            # What apply_chat_template(tokenize=True) does, with the choice of special tokens left open.
+            return self._tok(text, add_special_tokens=add_special_tokens).input_ids
 
         return await self._call(render)
 
@@ -54,6 +64,10 @@ class FrontendTokenizer:
             texts = await self._call(lambda: [self._tok.decode([t]) for t in missing])
             self._token_text.update(zip(missing, texts, strict=True))
         return [self._token_text[t] for t in token_ids]
+
+    async def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """The vocabulary's own strings of these tokens (byte-level, e.g. "Ġthe"), as vLLM's /tokenize gives."""
+        return await self._call(lambda: self._tok.convert_ids_to_tokens(list(token_ids)))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

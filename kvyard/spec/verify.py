@@ -1,9 +1,9 @@
 """Verification of one request's drafts against the target's logits rows, one position at a time.
 
 Row j holds the target's logits after [last token, draft 0 .. draft j-1]. Row j is processed only after
-the tokens before it were emitted, so penalties, min_tokens and a grammar's bitmask (process_logits)
-see exactly the state plain decoding would give them; a drafted token the grammar forbids has
-probability zero and is rejected. Greedy requests take the processed argmax and keep going while it
+the tokens before it were emitted, so penalties, logit_bias, min_tokens and a grammar's bitmask
+(process_logits) see exactly the state plain decoding would give them; a drafted token the grammar
+forbids (or a -100 bias all but bans) has probability zero and is rejected. Greedy requests take the processed argmax and keep going while it
 equals the draft, which makes greedy output identical to decoding without speculation; sampled
 requests use rejection sampling, which keeps the output distribution (not the seeded sample path).
 """

@@ -43,6 +43,16 @@ def test_shared_blocks_are_reference_counted():
     assert m.num_free_blocks == 8 and m.num_cached_blocks == 2
 
 
+def test_a_block_is_known_by_its_whole_prefix_not_its_own_tokens():
+    """Block 1 of [0..3][4..7] holds KV of 4..7 at positions 4..7, after 0..3: a prompt that starts with 4..7
+    must not read it (its hash chains its parent's)."""
+    m = BlockManager(8, 4)
+    a = request(range(9))
+    run_prefill(m, a)
+    assert m.match_prefix(request([4, 5, 6, 7, 100])) == []
+    assert m.match_prefix(request([*range(8), 100])) == a.block_table[:2]
+
+
 def test_salt_isolates_requests():
     m = BlockManager(8, 4)
     run_prefill(m, request(range(9), salt=b"tenant-a"))

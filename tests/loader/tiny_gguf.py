@@ -94,11 +94,13 @@ def write_tiny_gguf(
     drop: tuple[str, ...] = (),
     replace: dict[str, np.ndarray] | None = None,
     qtypes: dict[str, GGMLQuantizationType] | None = None,
+    metadata: dict[str, float | int] | None = None,
 ) -> Path:
     """Convert `hf_dir` to `out`. 2-D weights get `qtype` (`qtypes`: another type for some, by GGUF name); norms
     stay F32 as llama.cpp keeps them.
 
-    `drop` names GGUF tensors to leave out; `replace` gives GGUF tensors to write instead, as is.
+    `drop` names GGUF tensors to leave out; `replace` gives GGUF tensors to write instead, as is. `metadata`:
+    more keys (floats as float32, ints as int32, e.g. `general.sampling.*`).
     """
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = arch or cfg["model_type"]
@@ -117,6 +119,8 @@ def write_tiny_gguf(
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
     _add_tokenizer(w, hf_dir, cfg)
+    for key, value in (metadata or {}).items():
+        (w.add_int32 if isinstance(value, int) else w.add_float32)(key, value)
     for hf, t in hf_state_dict(hf_dir).items():
         name = gguf_name(hf)
         if name in drop:

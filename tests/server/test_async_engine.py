@@ -51,7 +51,12 @@ def test_typed_errors_cross_the_thread(engine):
     assert wait_until(lambda: engine_idle(engine))
 
 
-def test_leaving_generate_early_aborts_the_request(engine):
+def test_leaving_generate_early_aborts_the_request(make_engine):
+    """The prefill role relies on this abort. 400 tokens at >= 20 ms a step would take 8 s: only the abort
+    makes the engine idle within 2 s, with few tokens generated and the abort counted."""
+    engine = make_engine()
+    slow_down(engine, 0.02)
+
     async def main():
         gen = engine.generate("The quick", SamplingParams(max_tokens=400, ignore_eos=True), "early")
         async with contextlib.aclosing(gen):
@@ -60,6 +65,8 @@ def test_leaving_generate_early_aborts_the_request(engine):
         assert await asyncio.to_thread(wait_until, lambda: engine_idle(engine), 2)
 
     asyncio.run(main())
+    stats = engine.stats()
+    assert stats.num_aborted == 1 and stats.generation_tokens < 100, stats
 
 
 def test_cancelling_a_submission_leaves_nothing_behind(make_engine):

@@ -31,13 +31,15 @@ SHARED_BAD: dict[str, list] = {
     "user": [5, [], {}],
     "model": [5, [], "gpt-4", "no-such-model"],
     "skip_special_tokens": ["no", 0],
+    "logit_bias": [{"abc": 1}, {"1": 101}, {"1": -100.5}, {"1": "x"}, {"1000000": 1}, {"-1": 1}, [1], "x"],
+    "prompt_logprobs": [-1, 21, "x", 1.5],
 }
 
 COMPLETION_BAD: dict[str, list] = {
     "prompt": [5, None, [], [[]], [1.5], [-1], [10**6], [[1], "a"], {"a": 1}, "", [True], ["a", 1],
                "word " * 2000, [7] * 600, ["a"] * 300],
     "logprobs": [-1, 21, "x", True, 1.5],
-    "echo": [True, "x"],
+    "echo": ["x", 5],
     "suffix": ["x", 5],
     "best_of": [3, "x"],
 }

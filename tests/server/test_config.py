@@ -24,7 +24,8 @@ def test_the_example_file_loads(monkeypatch):
     monkeypatch.delenv("KVYARD_API_KEY", raising=False)
     engine, server = serve_configs("--config", str(Path(__file__).parents[2] / "deploy.example.yaml"))
     assert engine.model == "smollm2-135m" and engine.kv_cache_memory == 2**30
-    assert server == ServerSettings()
+    # A deployment guards against loops (stop); the dataclass default, for code building its own, does not.
+    assert server == ServerSettings(repetition_guard={"action": "stop"})
 
 
 @pytest.mark.parametrize("text, key", [
@@ -59,6 +60,7 @@ def test_flags_override_the_file_and_the_file_overrides_defaults(tmp_path, monke
     assert engine.enable_chunked_prefill is True
     engine, server = serve_configs()  # no file, no flags: the dataclass defaults
     assert engine.block_size == 16 and server.port == 8000
+    assert server.guard.action == "stop" and server.generation_config == "auto"  # but the deployment's guard
 
 
 def test_api_key_precedence(tmp_path, monkeypatch):

@@ -133,8 +133,11 @@ def test_deadline_ends_requests_and_frees_blocks(make_engine):
         assert 'kvyard_requests_total{outcome="timeout"} 2.0' in http.get("/metrics").text
 
 
-def test_raw_socket_hangup_before_response(engine):
-    """A client that sends a request and vanishes at once leaves nothing behind."""
+def test_raw_socket_hangup_before_response(make_engine):
+    """A client that sends a request and vanishes at once leaves nothing behind. 5 x 200 tokens at >= 20 ms a
+    step would take 4 s or more: only aborting them makes the engine idle within 3 s."""
+    engine = make_engine()
+    slow_down(engine, 0.02)
     with running_server(engine) as srv:
         host, port = srv.url.removeprefix("http://").split(":")
         body = json.dumps({"prompt": "The quick", "max_tokens": 200, "ignore_eos": True, "stream": True}).encode()
@@ -142,4 +145,7 @@ def test_raw_socket_hangup_before_response(engine):
             with socket.create_connection((host, int(port))) as s:
                 s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                           b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        assert wait_until(lambda: engine_idle(engine), timeout=5)
+        # Idle at once would prove nothing (the requests may not have arrived yet): wait for the 5 aborts.
+        assert wait_until(lambda: engine.stats().num_aborted == 5, timeout=3), engine.stats()
+        assert wait_until(lambda: engine_idle(engine), timeout=3)
+    assert engine.stats().generation_tokens < 500, engine.stats()

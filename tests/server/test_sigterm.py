@@ -30,9 +30,10 @@ def server_process(tmp_path):
     # A long context, so one request can outlast the signal by seconds.
     model = make_tiny_checkpoint(tmp_path / "long", max_position_embeddings=4096)
     port = free_port()
+    # The random model loops, and the stream must give all its tokens: no repetition guard.
     cmd = [sys.executable, "-m", "kvyard.cli.main", "serve", "--model", str(model), "--dtype", "float32",
            "--kv-cache-memory", "4MiB", "--num-threads", "1", "--port", str(port), "--log-level", "warning",
-           "--drain-timeout", "60"]
+           "--drain-timeout", "60", "--repetition-guard", "off"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "KVYARD_API_KEY": ""},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
