@@ -18,7 +18,7 @@ $(PY):
 # torch first, pinned to the CPU build on this disk, so nothing later pulls a CUDA build.
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,cluster]'
 	touch $(STAMP)
 
 model: $(STAMP)

@@ -1,4 +1,5 @@
 import functools
+import os
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,8 @@ import transformers
 from tests.tiny import make_tiny_checkpoint
 
 torch.set_num_threads(2)
+# Before anything imports ray (it reads this once): a Ray cluster in tests stays on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 @pytest.fixture(scope="session")

@@ -77,6 +77,16 @@ def add_route_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
         "--serve-args", default=None, help='more `kvyard serve` flags for each worker, e.g. "--dtype float32"'
     )
     up.add_argument("--log-dir", default=None, help="write worker logs here instead of the terminal")
+    up.add_argument(
+        "--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+        help="place the replicas on a Ray cluster as actors: auto, ray://host:port or a GCS address; "
+             "without an address a local Ray instance is started",
+    )
+    up.add_argument("--cpus-per-replica", type=int, default=None,
+                    help="--ray: CPUs each replica's placement group reserves (and its torch threads; default 1)")
+    up.add_argument("--placement-strategy", default=None, help="--ray: PACK (default) or SPREAD")
+    up.add_argument("--placement-timeout", type=float, default=None,
+                    help="--ray: seconds to wait for a replica's resources before failing (default 30)")
     _add_router_flags(up)
     up.set_defaults(func=cmd_up)
 
@@ -112,6 +122,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("kvyard up: error: --replicas must be >= 1", file=sys.stderr)
         return 2
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode if disaggregated else ["both"] * args.replicas
+    if args.ray is not None:
+        return _up_on_ray(args, roles)
     spec = ClusterSpec(
         replicas=len(roles),
         roles=roles,
@@ -140,4 +152,31 @@ def cmd_up(args: argparse.Namespace) -> int:
         serve_router(settings)  # until Ctrl-C / SIGTERM
     finally:
         cluster.stop()
+    return 0
+
+
+def _up_on_ray(args: argparse.Namespace, roles: list[str]) -> int:
+    """`kvyard up --ray`: the same deployment with every replica a Ray actor; the router runs in this driver."""
+    from kvyard.cluster.config import ClusterConfig
+    from kvyard.cluster.controller import RayController
+    from kvyard.router.launcher import split_args
+    from kvyard.router.server import serve_router
+
+    given = {
+        "cpus_per_replica": args.cpus_per_replica,
+        "strategy": args.placement_strategy,
+        "placement_timeout": args.placement_timeout,
+    }
+    cluster = ClusterConfig(address=args.ray or None, **{k: v for k, v in given.items() if v is not None})
+    host = args.host or "127.0.0.1"
+    logging.basicConfig(level=(args.log_level or "info").upper(), format="%(levelname)s %(name)s: %(message)s")
+    RayController.connect(cluster.address, host)
+    controller = RayController(cluster, ["--model", args.model, *split_args(args.serve_args)], roles, host)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        urls = controller.start_all()
+        logging.getLogger("kvyard.up").info("Ray replicas: %s", controller.describe())
+        serve_router(router_settings(args, urls + args.worker, args.router_port), controller)
+    finally:
+        controller.stop()
     return 0

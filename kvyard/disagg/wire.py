@@ -115,7 +115,13 @@ def frame_offsets(nbytes: list[int]) -> tuple[list[int], int]:
 
 @cache
 def host_id() -> str:
-    """Same value on two processes iff they share a host (and boot); "" when unknown (no shared memory)."""
+    """Same value on two processes iff they share a host (and boot); "" when unknown (no shared memory).
+
+    A replica placed by Ray names its Ray node instead (`KVYARD_NODE_ID`, kvyard/cluster/replica.py): the
+    node id, not a guess from addresses, decides whether a pull may use shared memory."""
+    node = os.environ.get("KVYARD_NODE_ID")
+    if node:
+        return f"ray-node/{node}" if os.path.isdir("/dev/shm") else ""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()

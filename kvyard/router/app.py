@@ -72,13 +72,20 @@ class RouterState:
         self.prompts.close()
 
 
-def build_router_app(settings: RouterSettings, tokenizer: Any) -> FastAPI:
+def build_router_app(settings: RouterSettings, tokenizer: Any, controller: Any = None) -> FastAPI:
+    """`controller`, when given (kvyard/cluster/controller.py), watches the replicas it placed and tells the
+    registry when one dies or is replaced."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.router = RouterState.start(settings, tokenizer)
+        if controller is not None:
+            await controller.watch(app.state.router.registry)
         try:
             yield
         finally:
+            if controller is not None:
+                await controller.close()
             await app.state.router.stop()
 
     app = FastAPI(

@@ -210,6 +210,13 @@ class WorkerRegistry:
         if sub is not None:
             sub.invalidate()
 
+    def forget(self, url: str) -> None:
+        """Remove a worker for good (a replica the Ray controller replaced): no checks, no subscriber."""
+        self.workers.pop(url, None)
+        sub = self.subscribers.pop(url, None)
+        if sub is not None:
+            self._background.add(asyncio.create_task(sub.stop()))
+
     def _revive(self, w: Worker) -> None:
         if w.status is not WorkerStatus.HEALTHY:
             w.status, w.error, w.failures = WorkerStatus.HEALTHY, None, 0

@@ -16,9 +16,9 @@ def load_tokenizer(model: str) -> Any:
     return load_checkpoint(resolve_model(model)).tokenizer
 
 
-def serve_router(settings: RouterSettings) -> None:
+def serve_router(settings: RouterSettings, controller: Any = None) -> None:
     """Serve until Ctrl-C or SIGTERM (uvicorn's own handling: stop accepting, finish open requests)."""
-    app = build_router_app(settings, load_tokenizer(settings.model))
+    app = build_router_app(settings, load_tokenizer(settings.model), controller)
     uvicorn.run(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=5
     )

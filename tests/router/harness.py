@@ -4,6 +4,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import httpx
 import uvicorn
@@ -45,9 +46,9 @@ class RunningRouter:
 
 
 @contextlib.contextmanager
-def running_router(tokenizer: object, **settings: object) -> Iterator[RunningRouter]:
-    cfg = RouterSettings(port=0, log_level="warning", health_interval=0.2, **settings)  # type: ignore[arg-type]
-    app = build_router_app(cfg, tokenizer)
+def running_router(tokenizer: object, controller: object = None, **settings: object) -> Iterator[RunningRouter]:
+    cfg = RouterSettings(**{"port": 0, "log_level": "warning", "health_interval": 0.2, **settings})  # type: ignore[arg-type]
+    app = build_router_app(cfg, tokenizer, controller)
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -62,3 +63,40 @@ def running_router(tokenizer: object, **settings: object) -> Iterator[RunningRou
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@dataclass
+class StreamedRun:
+    """One streamed completion on a thread of its own: which worker served it and its `data:` lines (or a
+    "client error: ..." line last when the connection broke)."""
+
+    thread: threading.Thread
+    started: threading.Event
+    worker: str | None = None
+    lines: list[str] = field(default_factory=list)
+
+
+def start_streams(url: str, body: dict, n: int, first_event_timeout: float = 30.0) -> list[StreamedRun]:
+    """`n` streamed completions of `body` at once, each on a new connection; returns once each has its first
+    event (asserting that they all got one)."""
+
+    def run(s: StreamedRun) -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60, trust_env=False) as r:
+                s.worker = r.headers.get("x-kvyard-worker")
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        s.lines.append(line[5:].strip())
+                        s.started.set()
+        except httpx.HTTPError as e:
+            s.lines.append(f"client error: {e}")
+            s.started.set()
+
+    runs = []
+    for _ in range(n):
+        s = StreamedRun(threading.Thread(), threading.Event())
+        s.thread = threading.Thread(target=run, args=(s,), daemon=True)
+        s.thread.start()
+        runs.append(s)
+    assert all(s.started.wait(first_event_timeout) for s in runs), "a stream got no first event"
+    return runs

@@ -4,11 +4,11 @@ SIGTERM stopping every process."""
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -16,19 +16,24 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from tests.router.harness import start_streams
+
 SYSTEM = "You are a careful assistant. Paged attention keeps the KV cache in fixed-size blocks. " * 3
 
 
 def free_port_run(n: int) -> int:
-    """A port p such that p..p+n-1 are all free now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65000:
-            continue
+    """A port p such that p..p+n-1 are all free now, drawn below the OS's ephemeral range: a port from that
+    range can be taken by any outgoing connection (the router's own health checks) before the worker that
+    was given it binds it."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, max(10001, low - n))
+        socks = []
         try:
-            socks = []
             for i in range(n):
                 t = socket.socket()
                 socks.append(t)
@@ -165,44 +170,19 @@ def test_kv_policy_sends_a_follow_up_to_the_worker_holding_its_prefix(cluster, t
     assert 'kvyard_router_decisions_total{policy="kv",reason="affinity"}' in metrics
 
 
-def stream_lines(url: str, body: dict, out: list, started: threading.Event) -> None:
-    lines = []
-    try:
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60, trust_env=False) as r:
-            out.append(("worker", r.headers.get("x-kvyard-worker")))
-            for line in r.iter_lines():
-                if line.startswith("data:"):
-                    lines.append(line[5:].strip())
-                    started.set()
-    except httpx.HTTPError as e:
-        lines.append(f"client error: {e}")
-    out.append(("lines", lines))
-
-
 def test_killing_a_worker_mid_run(cluster, tiny_path):
     body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    results, threads = [], []
-    events = []
-    for _ in range(6):
-        out: list = []
-        ev = threading.Event()
-        t = threading.Thread(target=stream_lines, args=(cluster.url, body, out, ev))
-        t.start()
-        results.append(out)
-        threads.append(t)
-        events.append(ev)
-    assert all(ev.wait(30) for ev in events)
+    runs = start_streams(cluster.url, body, 6)
     victim = cluster.worker_urls[0]
     os.kill(cluster.worker_pid(victim), signal.SIGKILL)
-    for t in threads:
-        t.join(60)
-        assert not t.is_alive(), "a stream hung after its worker died"
+    for run in runs:
+        run.thread.join(60)
+        assert not run.thread.is_alive(), "a stream hung after its worker died"
     cut = 0
-    for out in results:
-        worker = dict(out)["worker"]
-        lines = dict(out)["lines"]
+    for run in runs:
+        lines = run.lines
         assert lines[-1] == "[DONE]", lines[-3:]
-        if worker == victim:
+        if run.worker == victim:
             err = json.loads(lines[-2])["error"]
             assert err["code"] == "worker_failed" and "cut" in err["message"]
             cut += 1
