@@ -63,3 +63,17 @@ def smollm2_engine(smollm2_path):
     eng = AsyncEngine.from_config(tiny_engine_config(smollm2_path, kv_cache_memory="64MiB"))
     yield eng
     eng.shutdown()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Kernel coverage: which CPU kernel paths this run exercised and which this CPU made it skip."""
+    from tests.kernel_coverage import report
+
+    reasons = []
+    for rep in terminalreporter.stats.get("skipped", []):
+        longrepr = getattr(rep, "longrepr", None)
+        if isinstance(longrepr, tuple) and len(longrepr) == 3:
+            reasons.append(str(longrepr[2]).removeprefix("Skipped: "))
+    terminalreporter.write_sep("-", "kernel coverage on this CPU")
+    for line in report(reasons):
+        terminalreporter.write_line(line)
