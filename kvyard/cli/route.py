@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -42,6 +43,10 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     )
     for name, kind, help_text in _ROUTER_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
+    p.add_argument("--api-key", default=None,
+                   help="clients must send `Authorization: Bearer KEY` (every route but /health); also the key "
+                        "sent to workers unless --worker-api-key is given (default: $KVYARD_API_KEY, else none)")
+    p.add_argument("--worker-api-key", default=None, help="the key the router sends to workers (default: --api-key)")
 
 
 def add_route_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -95,7 +100,13 @@ def router_settings(args: argparse.Namespace, workers: list[str], port: int) -> 
     from kvyard.router.config import RouterSettings
 
     given = {n: getattr(args, n) for n, _, _ in _ROUTER_FLAGS if getattr(args, n) is not None}
-    return RouterSettings(workers=workers, model=args.model, policy=args.policy, port=port, **given)
+    return RouterSettings(workers=workers, model=args.model, policy=args.policy, port=port,
+                          api_key=api_key(args), worker_api_key=args.worker_api_key, **given)
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $KVYARD_API_KEY (as `kvyard serve` reads it), else None."""
+    return args.api_key or os.environ.get("KVYARD_API_KEY") or None
 
 
 def cmd_route(args: argparse.Namespace) -> int:
@@ -133,6 +144,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         num_threads=args.num_threads,
         serve_args=split_args(args.serve_args),
         log_dir=Path(args.log_dir) if args.log_dir else None,
+        api_key=args.worker_api_key or api_key(args),
     )
     if spec.log_dir:
         spec.log_dir.mkdir(parents=True, exist_ok=True)
@@ -171,7 +183,9 @@ def _up_on_ray(args: argparse.Namespace, roles: list[str]) -> int:
     host = args.host or "127.0.0.1"
     logging.basicConfig(level=(args.log_level or "info").upper(), format="%(levelname)s %(name)s: %(message)s")
     RayController.connect(cluster.address, host)
-    controller = RayController(cluster, ["--model", args.model, *split_args(args.serve_args)], roles, host)
+    key = args.worker_api_key or api_key(args)
+    serve_argv = ["--model", args.model, *split_args(args.serve_args), *(["--api-key", key] if key else [])]
+    controller = RayController(cluster, serve_argv, roles, host)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         urls = controller.start_all()

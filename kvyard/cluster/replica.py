@@ -24,7 +24,8 @@ def parse_serve_argv(argv: list[str]) -> tuple[Any, Any]:
     try:
         args = build_parser().parse_args(["serve", *argv])
     except SystemExit:
-        raise ValueError(f"invalid `kvyard serve` flags for a replica: {' '.join(argv)}") from None
+        shown = ["***" if i and argv[i - 1] == "--api-key" else a for i, a in enumerate(argv)]  # keep keys out of logs
+        raise ValueError(f"invalid `kvyard serve` flags for a replica: {' '.join(shown)}") from None
     return configs_from_args(args)
 
 

@@ -28,8 +28,9 @@ from kvyard.router.policies import LeastLoaded, make_policy
 from kvyard.router.predicted import PredictedCache
 from kvyard.router.prefix_index import PrefixIndex
 from kvyard.router.prompts import PromptTokenizer
-from kvyard.router.proxy import Proxy, error_body
-from kvyard.router.registry import WorkerRegistry
+from kvyard.router.proxy import Proxy, error_body, forwarded_headers
+from kvyard.router.registry import InvalidWorkerURL, WorkerRegistry, normalize_worker_url
+from kvyard.server.guards import ApiKeyMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class RouterState:
             timeout=httpx.Timeout(settings.request_timeout, connect=2.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             trust_env=False,
+            headers=settings.worker_headers(),
         )
         index, predicted = PrefixIndex(), PredictedCache(settings.predicted_ttl)
         registry = WorkerRegistry(settings, tokenizer, index, predicted, client)
@@ -91,6 +93,8 @@ def build_router_app(settings: RouterSettings, tokenizer: Any, controller: Any =
     app = FastAPI(
         title="kvyard router", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan
     )
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
 
     def state() -> RouterState:
         return app.state.router
@@ -133,7 +137,7 @@ def build_router_app(settings: RouterSettings, tokenizer: Any, controller: Any =
                 r = await st.client.get(
                     w.url + "/v1/models",
                     timeout=settings.health_timeout,
-                    headers={k: v for k, v in request.headers.items() if k == "authorization"},
+                    headers=forwarded_headers(dict(request.headers), st.client),
                 )
             except httpx.HTTPError:
                 continue
@@ -176,10 +180,27 @@ def build_router_app(settings: RouterSettings, tokenizer: Any, controller: Any =
             )
         try:
             w = await state().registry.add(url)
+        except InvalidWorkerURL as e:
+            return JSONResponse(error_body(400, str(e), "invalid_worker_url"), status_code=400)
         except HandshakeError as e:
             return JSONResponse(error_body(409, str(e), "kv_config_mismatch"), status_code=409)
         except httpx.HTTPError as e:
             return JSONResponse(error_body(502, f"{url} did not answer: {e}", "worker_unreachable"), 502)
         return JSONResponse(w.describe())
+
+    @app.delete("/workers")
+    @app.delete("/workers/{url:path}")
+    async def remove_worker(url: str) -> JSONResponse:
+        """`DELETE /workers/http://host:port` (or `?url=`): stop routing to it and forget it, whatever its state."""
+        reg = state().registry
+        try:
+            key = normalize_worker_url(url)
+        except InvalidWorkerURL as e:
+            return JSONResponse(error_body(400, str(e), "invalid_worker_url"), status_code=400)
+        if key not in reg.workers:
+            return JSONResponse(error_body(404, f"no worker {url}", "worker_not_found"), status_code=404)
+        reg.forget(key)
+        log.info("worker %s removed", key)
+        return JSONResponse({"removed": key})
 
     return app

@@ -35,6 +35,11 @@ class RouterSettings:
     disagg_threshold: int = 256
     max_prefills_in_flight: int = 2
     seed: int | None = None  # seeds the random choices (random policy, ties, softmax)
+    # Clients must send `Authorization: Bearer api_key` (every route but /health); None: no auth.
+    api_key: str | None = field(default=None, repr=False)
+    # The key the router sends to workers (handshake, health, metrics, requests); None: api_key, else the
+    # client's own Authorization header is passed through.
+    worker_api_key: str | None = field(default=None, repr=False)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -53,8 +58,16 @@ class RouterSettings:
             ("max_attempts", self.max_attempts >= 1, "must be >= 1"),
             ("disagg_threshold", self.disagg_threshold >= 0, "must be >= 0"),
             ("max_prefills_in_flight", self.max_prefills_in_flight >= 1, "must be >= 1"),
+            ("api_key", self.api_key is None or bool(self.api_key), "must not be empty"),
+            ("worker_api_key", self.worker_api_key is None or bool(self.worker_api_key), "must not be empty"),
         ]
         for name, ok, why in checks:
             if not ok:
                 raise ConfigError(f"router setting {name} {why}, got {getattr(self, name)!r}", param=name)
         self.workers = [w.rstrip("/").removesuffix("/v1") for w in self.workers]
+        if self.worker_api_key is None:
+            self.worker_api_key = self.api_key
+
+    def worker_headers(self) -> dict[str, str]:
+        """Headers on every request the router sends a worker."""
+        return {"authorization": f"Bearer {self.worker_api_key}"} if self.worker_api_key else {}

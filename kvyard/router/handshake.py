@@ -1,19 +1,16 @@
 """Registration handshake: fetch a worker's `GET /kv/config` and refuse it, loudly, if its block hashes
 would differ from ours (kvyard/server/kv_config.py explains why this matters)."""
 
-import logging
-
 import httpx
 import msgspec
 
 from kvyard.errors import KvyardError
 from kvyard.server.kv_config import KVConfig, hash_mismatches
 
-log = logging.getLogger(__name__)
-
 
 class HandshakeError(KvyardError):
-    """The worker's hashing scheme or model differs from the router's: it must not be routed to."""
+    """The worker's hashing scheme or model differs from the router's, or it refused the router's key: it
+    must not be routed to."""
 
     def __init__(self, url: str, problems: list[str]):
         super().__init__(f"refusing worker {url}: " + "; ".join(problems))
@@ -24,6 +21,10 @@ class HandshakeError(KvyardError):
 async def fetch_kv_config(client: httpx.AsyncClient, url: str, timeout: float) -> KVConfig:
     """Raises httpx errors when the worker does not answer, HandshakeError when it answers wrongly."""
     r = await client.get(url + "/kv/config", timeout=timeout)
+    if r.status_code in (401, 403):
+        key = "a key it refused" if "authorization" in client.headers else "no key"
+        raise HandshakeError(url, [f"it answered {r.status_code}: the router sent {key}; start the router "
+                                   "with the workers' key (--api-key or --worker-api-key)"])
     if r.status_code == 404:
         raise HandshakeError(url, ["it has no /kv/config (not a kvyard worker, or an older one)"])
     r.raise_for_status()
@@ -39,6 +40,4 @@ def check_config(url: str, expected: KVConfig, got: KVConfig, model: str | None)
     if model is not None and got.model != model:
         problems.append(f"model: the other workers serve {model!r}, this one {got.model!r}")
     if problems:
-        err = HandshakeError(url, problems)
-        log.error("%s", err)
-        raise err
+        raise HandshakeError(url, problems)

@@ -33,6 +33,7 @@ class ClusterSpec:
     num_threads: int | None = None  # per worker; default: the cores split evenly
     serve_args: list[str] = field(default_factory=list)  # more `kvyard serve` flags for every worker
     log_dir: Path | None = None  # worker logs go here; None: inherit our stdout/stderr
+    api_key: str | None = field(default=None, repr=False)  # the workers' key, in their environment (not argv)
 
     def __post_init__(self) -> None:
         self.roles = self.roles or ["both"] * self.replicas
@@ -56,6 +57,8 @@ class ClusterSpec:
         ITL p99 3.14x better, short-only 0.94x (BENCHMARKS.md, session 21). A worker alone on its cores keeps the
         default, which its decode steps need (kvyard/server/async_engine.py)."""
         env = dict(os.environ)
+        if self.api_key:
+            env["KVYARD_API_KEY"] = self.api_key
         shares_cores = self.threads() * self.replicas > (os.cpu_count() or 1)
         if shares_cores and "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
             env["GOMP_SPINCOUNT"] = str(SHARED_CORES_SPIN_COUNT)

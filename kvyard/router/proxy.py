@@ -73,6 +73,14 @@ async def until_dead(worker: Worker, work: Awaitable[T]) -> T:
             t.cancel()
 
 
+def forwarded_headers(headers: dict[str, str], client: httpx.AsyncClient) -> dict[str, str]:
+    """The client's headers a worker sees. The client's Authorization is passed through only when the router
+    has no worker key of its own (its client then sends that one on every request)."""
+    own_key = "authorization" in client.headers
+    return {k: v for k, v in headers.items()
+            if k.lower() in _FORWARD_HEADERS and not (own_key and k.lower() == "authorization")}
+
+
 class Proxy:
     def __init__(
         self, placement: Placement, registry: WorkerRegistry, client: httpx.AsyncClient, max_attempts: int
@@ -88,7 +96,7 @@ class Proxy:
         policy: Policy | None = None,
     ) -> Response:
         """Place the request (with `policy`, default the router's) and relay the worker's answer."""
-        fwd = {k: v for k, v in headers.items() if k.lower() in _FORWARD_HEADERS}
+        fwd = forwarded_headers(headers, self.client)
         tried: set[str] = set()
         last_error = "no worker is healthy"
         for _ in range(self.max_attempts):

@@ -35,6 +35,24 @@ _SAMPLES = {
 }
 
 
+class InvalidWorkerURL(ValueError):
+    """A worker address that cannot be one: not http(s)://host:port."""
+
+
+def normalize_worker_url(url: str) -> str:
+    """`url` as the registry keys it (no trailing slash or /v1); InvalidWorkerURL when it is malformed."""
+    url = url.strip().rstrip("/").removesuffix("/v1")
+    try:
+        parts = httpx.URL(url)
+        port = parts.port
+    except (httpx.InvalidURL, ValueError, TypeError):
+        raise InvalidWorkerURL(f"{url!r} is not a worker URL (expected http://host:port)") from None
+    if (parts.scheme not in ("http", "https") or not parts.host or parts.path not in ("", "/") or parts.query
+            or (port is not None and not 0 < port < 65536)):
+        raise InvalidWorkerURL(f"{url!r} is not a worker URL (expected http://host:port)")
+    return url
+
+
 class WorkerRegistry:
     def __init__(
         self,
@@ -67,18 +85,26 @@ class WorkerRegistry:
         return msgspec.structs.replace(self._local, block_size=block_size)
 
     async def add(self, url: str) -> Worker:
-        """Handshake with a worker and route to it. Raises HandshakeError (it is then REFUSED) or an
-        httpx error when it does not answer (it stays PENDING; the health checker retries)."""
-        url = url.rstrip("/").removesuffix("/v1")
+        """Handshake with a worker and route to it. Raises InvalidWorkerURL (nothing is added),
+        HandshakeError (it is then REFUSED) or an httpx error when it does not answer (it stays PENDING with
+        that error shown in /workers; the health checker retries)."""
+        url = normalize_worker_url(url)
         w = self.workers.setdefault(url, Worker(url))
-        await self._handshake(w)
+        try:
+            await self._handshake(w)
+        except httpx.HTTPError as e:
+            if w.status is not WorkerStatus.HEALTHY:
+                w.error = f"unreachable: {type(e).__name__}: {e}"
+            raise
         return w
 
     async def _handshake(self, w: Worker) -> None:
-        got = await fetch_kv_config(self.client, w.url, self.s.health_timeout)
         try:
+            got = await fetch_kv_config(self.client, w.url, self.s.health_timeout)
             check_config(w.url, self._with_block_size(self.block_size or got.block_size), got, self.model)
         except HandshakeError as e:
+            if w.error != str(e):  # once per reason, not at every re-check
+                log.error("%s", e)
             w.status, w.error = WorkerStatus.REFUSED, str(e)
             raise
         self.block_size = self.block_size or got.block_size
@@ -176,12 +202,17 @@ class WorkerRegistry:
             w.failures += 1
             if w.status is WorkerStatus.HEALTHY and w.failures >= self.s.dead_after:
                 self.mark_dead(w, reason)
+            elif w.status is WorkerStatus.PENDING:
+                w.error = f"unreachable: {reason}"
             return
         w.failures = 0
         if w.status is not WorkerStatus.HEALTHY:
             try:
                 await self._handshake(w)
-            except (HandshakeError, httpx.HTTPError):
+            except HandshakeError:
+                return  # REFUSED, with its reason
+            except httpx.HTTPError as e:
+                w.error = f"handshake failed: {type(e).__name__}: {e}"
                 return
         await self._sample_metrics(w)
 

@@ -66,6 +66,32 @@ class Admission:
             self._admitting -= 1
 
 
+UNAUTHORIZED = APIError(401, "missing or invalid API key (Authorization: Bearer KEY)", code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"})
+
+
+def bearer_matches(scope: Scope, api_key: str) -> bool:
+    value = (_header(scope, b"authorization") or "").strip()
+    scheme, _, token = value.partition(" ")
+    # Constant-time comparison: response timing must not leak the key.
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+class ApiKeyMiddleware:
+    """Only `Authorization: Bearer api_key` gets past, on every path but /health (the router's guard; the
+    server's GuardMiddleware does the same among its other checks)."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS and not bearer_matches(scope, self.api_key):
+            await send_error(send, UNAUTHORIZED)
+            return
+        await self.app(scope, receive, send)
+
+
 class _BodyTooLarge(Exception):
     pass
 
@@ -89,10 +115,9 @@ class GuardMiddleware:
             await send_error(send, APIError(503, "the server is shutting down", code="server_draining",
                                         headers={"Connection": "close", "Retry-After": "5"}))
             return
-        if self.api_key is not None and path not in _OPEN_PATHS and not self._authorized(scope):
+        if self.api_key is not None and path not in _OPEN_PATHS and not bearer_matches(scope, self.api_key):
             self.metrics.rejected.labels("unauthorized").inc()
-            await send_error(send, APIError(401, "missing or invalid API key (Authorization: Bearer KEY)",
-                                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+            await send_error(send, UNAUTHORIZED)
             return
         declared = _header(scope, b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
@@ -114,12 +139,6 @@ class GuardMiddleware:
                 await self._too_large(send)
         finally:
             self.drain.in_flight -= counted
-
-    def _authorized(self, scope: Scope) -> bool:
-        value = (_header(scope, b"authorization") or "").strip()
-        scheme, _, token = value.partition(" ")
-        # Constant-time comparison: response timing must not leak the key.
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     def _limited(self, receive: Receive) -> Receive:
         """Count body bytes as they arrive: chunked uploads have no Content-Length to check up front."""

@@ -30,9 +30,10 @@ def running_worker(engine: AsyncEngine, **settings: object) -> Iterator[RunningS
 
 
 class RunningRouter:
-    def __init__(self, server: uvicorn.Server, app: object):
+    def __init__(self, server: uvicorn.Server, app: object, api_key: str | None = None):
         self.server = server
         self.app = app
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         port = server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
 
@@ -41,7 +42,7 @@ class RunningRouter:
         return self.app.state.router  # type: ignore[attr-defined]
 
     def workers(self) -> dict[str, dict]:
-        data = httpx.get(self.url + "/workers", timeout=5, trust_env=False).json()
+        data = httpx.get(self.url + "/workers", timeout=5, trust_env=False, headers=self.headers).json()
         return {w["url"]: w for w in data["workers"]}
 
 
@@ -59,7 +60,7 @@ def running_router(tokenizer: object, controller: object = None, **settings: obj
             raise RuntimeError("the test router did not start")
         time.sleep(0.01)
     try:
-        yield RunningRouter(server, app)
+        yield RunningRouter(server, app, cfg.api_key)
     finally:
         server.should_exit = True
         thread.join(10)

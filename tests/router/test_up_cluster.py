@@ -82,37 +82,25 @@ def wait(predicate, timeout: float) -> bool:
     return False
 
 
+def start_up(tiny_path, logs: Path, replicas: int, *extra: str) -> tuple[subprocess.Popen, int]:
+    """`kvyard up` with `replicas` tiny workers on a free run of ports; (process, router port)."""
+    port = free_port_run(replicas + 1)
+    cmd = [sys.executable, "-m", "kvyard.cli.main", "up", "--replicas", str(replicas), "--model", str(tiny_path),
+           "--router-port", str(port), "--num-threads", "1", "--log-dir", str(logs), "--log-level", "warning",
+           "--serve-args", "--dtype float32 --kv-cache-memory 2MiB --max-num-batched-tokens 256",
+           "--health-interval", "0.3", "--predicted-ttl", "0.5", "--seed", "0", *extra]
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL), port
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_path, tmp_path_factory):
-    port = free_port_run(3)
-    logs = tmp_path_factory.mktemp("up-logs")
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvyard.cli.main",
-        "up",
-        "--replicas",
-        "2",
-        "--model",
-        str(tiny_path),
-        "--router-port",
-        str(port),
-        "--num-threads",
-        "1",
-        "--log-dir",
-        str(logs),
-        "--log-level",
-        "warning",
-        "--serve-args",
-        "--dtype float32 --kv-cache-memory 2MiB --max-num-batched-tokens 256",
-        "--health-interval",
-        "0.3",
-        "--predicted-ttl",
-        "0.5",
-        "--seed",
-        "0",
-    ]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    proc, port = start_up(tiny_path, tmp_path_factory.mktemp("up-logs"), 2)
     c = Cluster(proc, port)
     try:
         ok = wait(
@@ -121,9 +109,30 @@ def cluster(tiny_path, tmp_path_factory):
         assert ok, "the cluster did not come up"
         yield c
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        stop(proc)
+
+
+def test_a_keyed_deployment_serves_and_a_wrong_key_gets_401(tiny_path, tmp_path):
+    """`kvyard up --api-key`: the router asks clients for the key and passes it to its workers (which get it in
+    their environment, so it is not on their command lines)."""
+    proc, port = start_up(tiny_path, tmp_path, 1, "--api-key", "up-secret")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        keyed = {"authorization": "Bearer up-secret"}
+        assert wait(lambda: httpx.get(url + "/health", trust_env=False).status_code == 200, 90)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=keyed,
+                       timeout=30, trust_env=False)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=headers,
+                           timeout=30, trust_env=False)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        worker = f"http://127.0.0.1:{port + 1}"
+        assert httpx.get(worker + "/v1/models", trust_env=False).status_code == 401  # the worker is keyed too
+        cmdlines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children(proc.pid)]
+        assert cmdlines and not any(b"up-secret" in c for c in cmdlines)
+    finally:
+        stop(proc)
 
 
 def test_openai_client_through_the_router(cluster, tiny_path):
