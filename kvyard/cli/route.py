@@ -82,6 +82,9 @@ def add_route_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
         "--serve-args", default=None, help='more `kvyard serve` flags for each worker, e.g. "--dtype float32"'
     )
     up.add_argument("--log-dir", default=None, help="write worker logs here instead of the terminal")
+    up.add_argument("--restart-backoff", type=float, default=1.0,
+                    help="seconds before a dead worker is started again, doubled while it keeps dying (up to "
+                         "30); 0: never restart (default 1)")
     up.add_argument(
         "--ray", nargs="?", const="", default=None, metavar="ADDRESS",
         help="place the replicas on a Ray cluster as actors: auto, ray://host:port or a GCS address; "
@@ -122,7 +125,7 @@ def cmd_route(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from kvyard.router.launcher import Cluster, ClusterSpec, split_args
+    from kvyard.router.launcher import Cluster, ClusterSpec, RestartPolicy, split_args
     from kvyard.router.server import serve_router
 
     disaggregated = bool(args.prefill or args.decode)
@@ -155,6 +158,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         urls = cluster.start_workers()
+        cluster.supervise(RestartPolicy(backoff=args.restart_backoff))
         logging.getLogger("kvyard.up").info(
             "workers %s (%d threads each); router on port %d",
             ", ".join(f"{u} ({r})" for u, r in zip(urls, spec.roles, strict=True)),

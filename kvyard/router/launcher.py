@@ -2,14 +2,18 @@
 
 Workers publish KV events on free ports (announced in /kv/config), split the machine's cores between
 them, and die with their parent (PR_SET_PDEATHSIG on Linux), so a killed `kvyard up` leaves no orphans.
+A worker that dies is reaped and started again after a backoff that doubles while it keeps dying
+(`Cluster.supervise`); the router's health checks take it out and re-admit it after a new handshake.
 """
 
 import ctypes
+import logging
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +24,17 @@ import httpx
 from kvyard.errors import KvyardError
 
 SHARED_CORES_SPIN_COUNT = 10000
+log = logging.getLogger("kvyard.up")
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a dead worker is started again: after `backoff` s, doubled at each death up to `max_backoff`,
+    and back to `backoff` for a worker that had stayed up `stable_after` s. backoff 0: never restart."""
+
+    backoff: float = 1.0
+    max_backoff: float = 30.0
+    stable_after: float = 60.0
 
 
 @dataclass
@@ -83,15 +98,40 @@ class ChildProcess:
     def __init__(self, name: str, cmd: list[str], log_path: Path | None, env: dict[str, str] | None = None):
         self.name = name
         self.cmd = cmd
+        self.env = env
         self.log: IO[str] | None = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in stop()
+        self.restarts = 0
+        self.delay = 0.0  # the backoff before its last restart
+        self.restart_at: float | None = None  # when it is due to start again, once seen dead
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
-            cmd,
-            env=env,
+            self.cmd,
+            env=self.env,
             stdout=self.log,
             stderr=subprocess.STDOUT if self.log else None,
             stdin=subprocess.DEVNULL,
             preexec_fn=_die_with_parent,
         )
+
+    def tend(self, policy: RestartPolicy, now: float) -> None:
+        """One supervisor look: reap it if it exited (poll() waits for it, so no zombie stays) and start it
+        again once its backoff has passed."""
+        if self.proc.poll() is None:
+            return
+        if self.restart_at is None:
+            stable = now - self.started_at >= policy.stable_after
+            self.delay = policy.backoff if stable or not self.delay else min(2 * self.delay, policy.max_backoff)
+            self.restart_at = now + self.delay
+            log.warning("%s exited with status %s after %.0f s; restarting in %.0f s", self.name,
+                        self.proc.returncode, now - self.started_at, self.delay)
+        elif now >= self.restart_at:
+            self.restart_at = None
+            self.restarts += 1
+            self._spawn()
+            log.info("%s restarted (pid %d, restart %d)", self.name, self.proc.pid, self.restarts)
 
     def stop(self, timeout: float = 20.0) -> None:
         if self.proc.poll() is None:
@@ -110,6 +150,21 @@ class Cluster:
         self.spec = spec
         self.workers: list[ChildProcess] = []
         self.router: ChildProcess | None = None
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+
+    def supervise(self, policy: RestartPolicy, interval: float = 0.5) -> None:
+        """Restart dead workers in the background until `stop()`."""
+        if policy.backoff <= 0:
+            return
+
+        def loop() -> None:
+            while not self._stopping.wait(interval):
+                for child in self.workers:
+                    child.tend(policy, time.monotonic())
+
+        self._supervisor = threading.Thread(target=loop, name="kvyard-up-supervisor", daemon=True)
+        self._supervisor.start()
 
     def start_workers(self) -> list[str]:
         s = self.spec
@@ -175,6 +230,9 @@ class Cluster:
         return self.workers + ([self.router] if self.router else [])
 
     def stop(self) -> None:
+        self._stopping.set()  # no restarts from here on
+        if self._supervisor is not None:
+            self._supervisor.join(5)
         # SIGTERM to all first, so they drain in parallel; then wait for each.
         for child in self.children():
             if child.proc.poll() is None:

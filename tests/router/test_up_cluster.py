@@ -48,7 +48,8 @@ def free_port_run(n: int) -> int:
 
 
 def children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    """Child processes of `pid`, whichever of its threads started them (the supervisor thread restarts workers)."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
 
 
 class Cluster:
@@ -100,7 +101,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_path, tmp_path_factory):
-    proc, port = start_up(tiny_path, tmp_path_factory.mktemp("up-logs"), 2)
+    # A 3 s restart backoff: the killed worker stays dead long enough for the checks of its absence.
+    proc, port = start_up(tiny_path, tmp_path_factory.mktemp("up-logs"), 2, "--restart-backoff", "3")
     c = Cluster(proc, port)
     try:
         ok = wait(
@@ -183,7 +185,8 @@ def test_killing_a_worker_mid_run(cluster, tiny_path):
     body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
     runs = start_streams(cluster.url, body, 6)
     victim = cluster.worker_urls[0]
-    os.kill(cluster.worker_pid(victim), signal.SIGKILL)
+    victim_pid = cluster.worker_pid(victim)
+    os.kill(victim_pid, signal.SIGKILL)
     for run in runs:
         run.thread.join(60)
         assert not run.thread.is_alive(), "a stream hung after its worker died"
@@ -207,6 +210,14 @@ def test_killing_a_worker_mid_run(cluster, tiny_path):
             trust_env=False,
         )
         assert r.status_code == 200 and r.headers["x-kvyard-worker"] == cluster.worker_urls[1]
+    # kvyard up reaps the dead worker (no zombie) and starts it again; the router re-admits it.
+    assert wait(lambda: not any(Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+                                for pid in children(cluster.proc.pid)), 3)  # the supervisor looks every 0.5 s
+    assert wait(lambda: cluster.workers()[victim]["status"] == "healthy", 60), cluster.workers()[victim]
+    assert cluster.worker_pid(victim) != victim_pid
+    served = {httpx.post(cluster.url + "/v1/completions", json={"prompt": f"Story {i}:", "max_tokens": 2},
+                         timeout=30, trust_env=False).headers["x-kvyard-worker"] for i in range(8)}
+    assert victim in served, served
 
 
 def test_sigterm_stops_the_router_and_every_worker(cluster):
