@@ -19,8 +19,8 @@ Constraint, by `tool_choice` (xgrammar structural tags; each call's arguments fo
 * `none` (or no tools): tools are not offered, the output is free text;
 * `auto` (default with tools): free text; once the model writes `<tool_call>`, the rest of the block
   is constrained to a valid call;
-* `required`: one or more calls and nothing else; a named function: calls of that function only.
-  `parallel_tool_calls: false` allows one call.
+* `required`: one or more calls and nothing else (`parallel_tool_calls: false`: exactly one);
+* a named function: exactly one call of that function, whatever `parallel_tool_calls` says.
 """
 
 import json
@@ -122,7 +122,7 @@ class ToolPlan:
                 "tags": tags,
                 "separator": "\n",
                 "at_least_one": True,
-                "stop_after_first": not self.parallel,
+                "stop_after_first": self.mode == "named" or not self.parallel,
             }
         return StructuredOutput.structural_tag({"type": "structural_tag", "format": fmt}, param="tools")
 

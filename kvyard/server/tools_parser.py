@@ -6,6 +6,11 @@ describes the format). Streaming parses the text so far again on every increment
 stream is open, text that may still turn out to be part of a tool call is held back: a trailing prefix
 of `<tool_call>` in content, and the last characters of a call's arguments, which may be the `}` and
 `</tool_call>` that close the block rather than arguments.
+
+A call is never half-written in a response: `<tool_call>` text is never content, a block that
+`max_tokens` cut short is dropped (the finish reason, `length`, says why), and a stream sends a call
+(its name and whole arguments) once its block is closed, so every `arguments` string a client assembles
+parses.
 """
 
 import json
@@ -47,15 +52,15 @@ def parse_tool_calls(text: str, final: bool = True) -> ParsedOutput:
     while True:
         start = text.find(BEGIN, pos)
         if start < 0:
-            tail = text[pos:]
-            content.append(tail if final else tail[: len(tail) - _partial_suffix(tail, BEGIN)])
+            tail = text[pos:]  # a trailing start of `<tool_call>` is held back, and dropped at the end
+            content.append(tail[: len(tail) - _partial_suffix(tail, BEGIN)])
             break
         content.append(text[pos:start])
         head = _HEADER.match(text, start)
         if head is None:
-            if final:
-                content.append(text[start:])  # an opening that never became a call: plain text
-            break  # streaming: wait for the rest of the header
+            # Streaming: wait for the rest of the header. Final: a call cut inside its header, which
+            # is not content either (only the tool grammar writes `<tool_call>`).
+            break
         name = json.loads(head.group(1))
         end = text.find(END, head.end())
         if end < 0:
@@ -90,9 +95,9 @@ def new_call_id() -> str:
 
 
 def message_parts(text: str) -> tuple[str | None, list[ToolCall] | None]:
-    """A finished answer as (content, tool_calls); a call cut short stays in the content as text."""
+    """A finished answer as (content, tool_calls); a call cut short is dropped."""
     parsed = parse_tool_calls(text, final=True)
-    content = parsed.content + "".join(c.raw for c in parsed.calls if not c.complete)
+    content = parsed.content
     calls = [
         ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
         for c in parsed.complete_calls
@@ -105,32 +110,17 @@ class ToolCallStream:
     """Per streamed choice: what has been sent so far, and the next content and tool-call deltas."""
 
     sent_content: int = 0
-    sent_args: list[int] = field(default_factory=list)  # per call: characters of arguments sent
-    ids: list[str] = field(default_factory=list)
-    num_complete: int = 0
+    num_complete: int = 0  # calls sent: each in one delta, once its block closed
 
     def update(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
         parsed = parse_tool_calls(text, final)
         content = parsed.content[self.sent_content :]
         self.sent_content = len(parsed.content)
-        deltas = []
-        for i, call in enumerate(parsed.calls):
-            new_call = i >= len(self.ids)
-            if new_call:
-                self.ids.append(new_call_id())
-                self.sent_args.append(0)
-            piece = call.arguments[self.sent_args[i] :]
-            self.sent_args[i] = len(call.arguments)
-            if new_call:
-                deltas.append(
-                    ToolCallDelta(
-                        index=i,
-                        id=self.ids[i],
-                        type="function",
-                        function=FunctionCallDelta(name=call.name, arguments=piece),
-                    )
-                )
-            elif piece:
-                deltas.append(ToolCallDelta(index=i, function=FunctionCallDelta(arguments=piece)))
-        self.num_complete = len(parsed.complete_calls)
+        complete = parsed.complete_calls
+        deltas = [
+            ToolCallDelta(index=i, id=new_call_id(), type="function",
+                          function=FunctionCallDelta(name=call.name, arguments=call.arguments))
+            for i, call in enumerate(complete[self.num_complete :], start=self.num_complete)
+        ]
+        self.num_complete = len(complete)
         return content, deltas

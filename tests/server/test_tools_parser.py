@@ -27,9 +27,12 @@ def test_message_parts():
     assert [c.function.name for c in calls] == ["get_weather", "get_time"]
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
     assert message_parts("just text") == ("just text", None)
-    # A call cut short (max_tokens) is not a call: it stays text.
-    content, calls = message_parts(CALL[:-5])
-    assert calls is None and content == CALL[:-5]
+    # A call cut short (max_tokens) is not a call, and its markup is not content either.
+    assert message_parts(CALL[:-5]) == ("", None)
+    second = format_call("get_time", {"tz": "CET"})
+    for cut in range(1, len(second)):  # the case: one whole call, then a second cut anywhere
+        content, calls = message_parts("Let me check. " + CALL + "\n" + second[:cut])
+        assert content == "Let me check." and [c.function.name for c in calls] == ["get_weather"], cut
 
 
 def _stream(text: str, step: int) -> tuple[str, dict[int, dict]]:
@@ -55,6 +58,16 @@ def test_streaming_in_any_split_gives_the_whole_result():
             (c.name, c.arguments) for c in whole.calls
         ]
         assert all(c["id"] for c in calls.values())
+
+
+def test_a_stream_cut_anywhere_sends_only_calls_whose_arguments_parse():
+    for cut in range(1, len(TEXT) + 1):
+        for step in (1, 5):
+            content, calls = _stream(TEXT[:cut], step)
+            assert "<" not in content, (cut, content)
+            for call in calls.values():
+                assert isinstance(json.loads(call["arguments"]), dict), (cut, call)
+            assert len(calls) == len(parse_tool_calls(TEXT[:cut]).complete_calls)
 
 
 def test_streaming_never_leaks_the_call_markup_into_content():
