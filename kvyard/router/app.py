@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 
 from kvyard import __version__
 from kvyard.router.config import RouterSettings
+from kvyard.router.dashboard import add_dashboard_routes
 from kvyard.router.disagg import RemotePrefill
 from kvyard.router.handshake import HandshakeError
 from kvyard.router.placement import Placement, route_request
@@ -95,6 +96,7 @@ def build_router_app(settings: RouterSettings, tokenizer: Any, controller: Any =
     )
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    add_dashboard_routes(app, lambda: app.state.router)
 
     def state() -> RouterState:
         return app.state.router

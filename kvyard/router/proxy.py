@@ -10,12 +10,14 @@ ends silently. A worker declared dead by the health checker cuts its streams the
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kvyard.router.observed import Observed
 from kvyard.router.placement import Decision, Placement
 from kvyard.router.policies import Policy, RouteRequest
 from kvyard.router.registry import WorkerRegistry
@@ -90,6 +92,7 @@ class Proxy:
         self.client = client
         self.max_attempts = max_attempts
         self.metrics = registry.metrics
+        self.observed = Observed()  # for the operator's console
 
     async def forward(
         self, path: str, raw: bytes, stream: bool, req: RouteRequest, headers: dict[str, str],
@@ -97,6 +100,7 @@ class Proxy:
     ) -> Response:
         """Place the request (with `policy`, default the router's) and relay the worker's answer."""
         fwd = forwarded_headers(headers, self.client)
+        arrival = time.monotonic()
         tried: set[str] = set()
         last_error = "no worker is healthy"
         for _ in range(self.max_attempts):
@@ -107,9 +111,10 @@ class Proxy:
                 self.metrics.retries.labels("worker_failed").inc()
             tried.add(d.worker.url)
             self.placement.begin(d, req)
+            self.observed.decided(d.worker.url, d.reason)
             try:
                 if stream:
-                    return await self._stream(d, req, path, raw, fwd)
+                    return await self._stream(d, req, path, raw, fwd, arrival)
                 return await self._once(d, req, path, raw, fwd)
             except WorkerFailed as e:
                 self.placement.end(d, req)
@@ -144,7 +149,7 @@ class Proxy:
         return out
 
     async def _stream(
-        self, d: Decision, req: RouteRequest, path: str, raw: bytes, fwd: dict[str, str]
+        self, d: Decision, req: RouteRequest, path: str, raw: bytes, fwd: dict[str, str], arrival: float
     ) -> Response:
         upstream = self.client.build_request("POST", d.worker.url + path, content=raw, headers=fwd)
         try:
@@ -168,6 +173,7 @@ class Proxy:
             raise self._fail(
                 d, e if not isinstance(e, StopAsyncIteration) else WorkerFailed("empty stream")
             ) from e
+        self.observed.ttft.append(time.monotonic() - arrival)
         return StreamingResponse(self._relay(d, req, resp, first, events), headers=self._headers(resp, d))
 
     async def _relay(
@@ -179,8 +185,13 @@ class Proxy:
         try:
             yield first
             done = first == DONE
+            last = time.monotonic()
             try:
                 async for event in events:
+                    now = time.monotonic()
+                    if event != DONE:
+                        self.observed.itl.append(now - last)
+                    last = now
                     yield event
                     done = done or event == DONE
                 if not done:

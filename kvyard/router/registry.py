@@ -32,7 +32,10 @@ _SAMPLES = {
     "kvyard_num_requests_waiting": "waiting",
     "kvyard_prefix_cache_queries_total": "prefix_queries",
     "kvyard_prefix_cache_hits_total": "prefix_hits",
+    "kvyard_kv_cache_usage_ratio": "kv_usage",
 }
+# Labelled worker counters the health checker sums over their labels.
+_SUMMED = {"kvyard_repetition_guard_trips_total": "repetition_trips"}
 
 
 class InvalidWorkerURL(ValueError):
@@ -221,11 +224,16 @@ class WorkerRegistry:
             r = await self.client.get(w.url + "/metrics", timeout=self.s.health_timeout)
             if r.status_code != 200:
                 return
+            sums = dict.fromkeys(_SUMMED.values(), 0.0)
             for family in text_string_to_metric_families(r.text):
                 for sample in family.samples:
                     attr = _SAMPLES.get(sample.name)
                     if attr is not None:
                         setattr(w, attr, sample.value)
+                    elif sample.name in _SUMMED:
+                        sums[_SUMMED[sample.name]] += sample.value
+            for attr, value in sums.items():
+                setattr(w, attr, value)
         except (httpx.HTTPError, ValueError):
             pass  # a stats hiccup is not a health failure
 

@@ -29,6 +29,8 @@ class Worker:
     waiting: float = 0.0
     prefix_queries: float = 0.0  # prompt tokens it looked up in its prefix cache
     prefix_hits: float = 0.0
+    kv_usage: float = 0.0  # fraction of its KV blocks in use
+    repetition_trips: float = 0.0  # times its repetition guard intervened
     prefills_in_flight: int = 0  # prompts this router is having it prefill for a decode worker
     # Set when the worker is declared dead, so its in-flight requests stop waiting for it at once.
     dead: asyncio.Event = field(default_factory=asyncio.Event)
@@ -62,6 +64,8 @@ class Worker:
             "running": self.running,
             "waiting": self.waiting,
             "observed_hit_rate": self.observed_hit_rate,
+            "kv_usage": self.kv_usage,
+            "repetition_trips": self.repetition_trips,
             "instance_id": self.config.instance_id if self.config else None,
             "events_endpoint": self.config.events_endpoint if self.config else None,
         }
