@@ -52,6 +52,8 @@ class Request:
     # finishes (`held_blocks`), until the decode worker has pulled them (kvyard/engine/kv_handoff.py).
     hold_kv: bool = False
     held_blocks: list[int] = field(default_factory=list)
+    # params.logit_bias as (token ids, values) tensors, built once rather than at every sampling step.
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -59,6 +61,10 @@ class Request:
             self.logprobs = []
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+        if self.params.logit_bias:
+            bias = self.params.logit_bias
+            self.logit_bias = (torch.tensor(list(bias), dtype=torch.long),
+                               torch.tensor(list(bias.values()), dtype=torch.float32))
         if not self.params.greedy:
             self.generator = torch.Generator()
             self.generator.manual_seed(

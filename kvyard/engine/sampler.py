@@ -67,10 +67,9 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
 
 def apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
     for i, r in enumerate(reqs):
-        bias = r.params.logit_bias
-        if bias:
-            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
-            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        if r.logit_bias is not None:
+            ids, values = r.logit_bias
+            logits[i, ids.to(logits.device)] += values.to(logits.device, logits.dtype)
 
 
 def apply_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> None:

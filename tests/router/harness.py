@@ -1,6 +1,7 @@
 """In-process workers (with KV events) and an in-process router, on loopback ports, for router tests."""
 
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -101,3 +102,18 @@ def start_streams(url: str, body: dict, n: int, first_event_timeout: float = 30.
         runs.append(s)
     assert all(s.started.wait(first_event_timeout) for s in runs), "a stream got no first event"
     return runs
+
+
+def errors_after_losing(runs: list[StreamedRun], lost: str, timeout: float = 60.0) -> list[dict]:
+    """Wait for every stream after worker `lost` died: each must end with [DONE] (none hangs), those on the
+    lost worker just after an error event, the others with none. Returns those error bodies."""
+    errors = []
+    for run in runs:
+        run.thread.join(timeout)
+        assert not run.thread.is_alive(), "a stream hung after its worker died"
+        assert run.lines[-1] == "[DONE]", run.lines[-3:]
+        if run.worker == lost:
+            errors.append(json.loads(run.lines[-2])["error"])
+        else:
+            assert "error" not in run.lines[-2]
+    return errors
