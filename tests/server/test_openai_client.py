@@ -1,5 +1,7 @@
 """The official openai client against a real server on loopback: the wire format is what it expects."""
 
+import copy
+
 import httpx
 import openai
 import pytest
@@ -109,7 +111,7 @@ def test_seed_reproducibility(client):
     assert sample(7) != sample(8)
 
 
-def test_tools_and_tool_messages_reach_the_template(client):
+def test_tools_and_tool_messages_reach_the_template(client, engine):
     messages = [
         {"role": "user", "content": "weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [
@@ -119,6 +121,22 @@ def test_tools_and_tool_messages_reach_the_template(client):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     r = client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=3, **GREEDY)
     assert r.choices[0].finish_reason == "length"
+    # This template ignores `tools` and `tool_calls`, so kvyard writes them into the prompt itself
+    # (kvyard/server/tools.py). Each part of the request must reach the prompt: growing it grows the prompt.
+    def prompt_tokens(**changes) -> int:
+        history = copy.deepcopy(messages)
+        history[1]["tool_calls"][0]["function"]["arguments"] = changes.get("arguments", "{}")
+        history[2]["content"] = changes.get("answer", "sunny")
+        reply = client.chat.completions.create(model="tiny", messages=history, tools=changes.get("tools", tools),
+                                               max_tokens=1, **GREEDY)
+        return reply.usage.prompt_tokens
+
+    base = prompt_tokens()
+    assert base == r.usage.prompt_tokens
+    described = [{"type": "function", "function": {**tools[0]["function"], "description": "Current weather."}}]
+    assert prompt_tokens(tools=described) > base  # the tool's schema
+    assert prompt_tokens(arguments='{"city": "Paris", "unit": "celsius"}') > base  # the assistant's call
+    assert prompt_tokens(answer="sunny, 24 degrees, light wind from the west") > base  # the tool's answer
 
 
 def test_unknown_model_is_404(client):
