@@ -15,6 +15,7 @@ PROMPTS = [
 ]
 NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+LOGIT_ATOL = 1e-4  # 140x the fp32 rounding measured, 14x under a 1% error in one layer
 ARCHS = [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False), ("qwen2", True), ("qwen3", False)]
 
 # Engine settings that must not change a single greedy token.
@@ -47,6 +48,9 @@ def test_greedy_tokens_match_transformers(tiny_checkpoint, arch, tied, mode):
 
 @pytest.mark.parametrize("arch,tied", ARCHS)
 def test_last_logits_within_tolerance(tiny_checkpoint, arch, tied):
+    """fp32 logits within LOGIT_ATOL of HF's. Measured on a Zen 4 EPYC: 6e-7 to 7e-7 (llama, qwen2); with HF's
+    layer 0 or last layer down_proj x 0.99 the gap grows to 1.4e-3 to 4.8e-3, and every greedy token still
+    agrees, so this bound is what sees a 1% error in one layer."""
     path = tiny_checkpoint(arch, tied)
     llm = LLM(str(path), dtype="float32")
     ref = hf_reference(path)
@@ -54,7 +58,7 @@ def test_last_logits_within_tolerance(tiny_checkpoint, arch, tied):
         ours = llm.engine.compute_logits(prompt)
         with torch.no_grad():
             theirs = ref(torch.tensor([prompt])).logits[0, -1].float()
-        assert (ours - theirs).abs().max().item() <= 1e-3
+        assert (ours - theirs).abs().max().item() <= LOGIT_ATOL
 
 
 def test_alone_equals_in_batch(tiny_checkpoint):
