@@ -132,6 +132,10 @@ class LLMEngine:
         req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids, hold_kv=hold_kv)
         if params.structured_output is not None:
             req.grammar = self._grammar_state(params.structured_output)
+            if req.grammar.tokens_to_close(params.max_tokens) is None:
+                raise InvalidRequestError(
+                    f"max_tokens {params.max_tokens} is too small for this response format: its shortest "
+                    f"valid output takes more tokens", param="max_tokens")
         detok = Detokenizer(self._fast_tokenizer, ids, params.stop, params.skip_special_tokens)
         repetition = None
         if params.repetition_detection is not None:
@@ -270,7 +274,9 @@ class LLMEngine:
                      repetition: RepetitionDetector | None = None) -> str | None:
         p = req.params
         if req.grammar is not None and req.grammar.terminated:
-            return "stop"  # the grammar is complete and accepted a stop token: nothing may follow
+            # The grammar is complete and accepted a stop token: nothing may follow. "length" says the budget
+            # steered it to close (the output is still complete and valid).
+            return "length" if req.grammar.budget_forced else "stop"
         # The detector sees every token (its state is the tail), but like a stop it acts after min_tokens.
         looped = repetition is not None and repetition.add(token, detok.text) is not None
         if req.num_output_tokens >= p.min_tokens:

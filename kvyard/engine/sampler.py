@@ -1,7 +1,8 @@
 """Batched sampling where every row carries its own parameters.
 
 Order of operations: raw logprobs (reported as the model's own distribution), then penalties, logit_bias,
-the min_tokens mask, the grammar bitmask of constrained rows (kvyard/structured/bitmask.py), and finally
+the min_tokens mask, the grammar bitmask of constrained rows (kvyard/structured/bitmask.py) and, near
+max_tokens, the steering that leaves them room to close (kvyard/structured/closing.py), and finally
 greedy argmax or temperature/top-k/top-p/min-p sampling. The bias comes before the masks so that a bias
 can never bring back a token they forbid (a grammar's -inf plus 100 is still -inf). Seeded rows draw
 from their request's own generator, so a seed reproduces the same tokens whatever the batch; unseeded
@@ -192,6 +193,9 @@ def process_logits(logits: torch.Tensor, reqs: list[Request]) -> None:
         from kvyard.structured.bitmask import apply_grammar_bitmask  # lazily: xgrammar only when used
 
         apply_grammar_bitmask(logits, [r.grammar for r in reqs])
+        for i, r in enumerate(reqs):  # near max_tokens: only tokens that leave room to close the grammar
+            if r.grammar is not None:
+                r.grammar.steer(logits[i], r.params.max_tokens - r.num_output_tokens)
 
 
 def token_logprob(row: torch.Tensor, token: int, n: int) -> TokenLogprob:

@@ -20,11 +20,28 @@ xgrammar keeps the whole history, so any number of accepted tokens can be rolled
 import torch
 import xgrammar as xgr
 
+from kvyard.structured.closing import BudgetCloser, closing_steps
+
 
 class GrammarState:
     def __init__(self, compiled: xgr.CompiledGrammar):
         self._matcher = xgr.GrammarMatcher(compiled)
+        self._closer = BudgetCloser(self._matcher, compiled.tokenizer_info)
         self.num_accepted = 0
+
+    def tokens_to_close(self, limit: int) -> int | None:
+        """Tokens kvyard's closing path takes to a complete match from here (kvyard/structured/closing.py);
+        None when it takes more than `limit`."""
+        return closing_steps(self._matcher, self._closer.info, limit)
+
+    def steer(self, row: torch.Tensor, tokens_left: int) -> None:
+        """Near the end of the budget, keep only tokens after which the grammar can still complete in time."""
+        self._closer.restrict(row, tokens_left)
+
+    @property
+    def budget_forced(self) -> bool:
+        """The budget changed what the model could write (the request then finishes with "length")."""
+        return self._closer.forced
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into `bitmask[row]` (one bit per token id)."""

@@ -6,6 +6,7 @@ import json
 
 import httpx
 import jsonschema
+import openai
 import pytest
 
 WEATHER = {
@@ -207,18 +208,21 @@ def test_bad_tool_requests_are_400s(smol_server, body, param):
 def test_named_choice_gives_one_call_and_a_cut_call_never_leaks(smol_client):
     """The issue's case: a named tool_choice with parallel_tool_calls (the default) wrote a whole call, then a
     second `<tool_call>\n{"name": "g` that max_tokens cut and that leaked into content. Now a named choice
-    is exactly one call, and whatever the budget cuts, no `<tool_call>` text reaches content, streamed or not,
-    and every streamed `arguments` string parses. Sampled at temperature 1, budgets from 4 to 60 tokens."""
+    is exactly one call, closed within the budget (kvyard/structured/closing.py; a budget too small for any
+    call is a 400), no `<tool_call>` text reaches content, streamed or not, and every streamed `arguments`
+    string parses. Sampled at temperature 1, budgets from the closing path's 42 tokens to 70."""
     named = {"type": "function", "function": {"name": "get_weather"}}
-    for i, budget in enumerate((4, 9, 14, 20, 27, 35, 60, 60)):
+    with pytest.raises(openai.BadRequestError):  # below the shortest call: a 400 up front
+        smol_client.chat.completions.create(model="smol", messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=4)
+    for i, budget in enumerate((42, 44, 46, 48, 51, 55, 60, 70)):  # the closing path needs 42 here
         common = dict(model="smol", messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=budget,
                       temperature=1.0, seed=i)
         r = smol_client.chat.completions.create(**common)
         choice = r.choices[0]
         calls = choice.message.tool_calls or []
         assert "<tool_call" not in (choice.message.content or ""), choice.message.content
-        assert len(calls) <= 1 and all(_check_call(c, ("get_weather",)) for c in calls)
-        assert choice.finish_reason == ("tool_calls" if calls else "length"), (budget, choice)
+        assert len(calls) == 1 and _check_call(calls[0], ("get_weather",))  # closed within the budget
+        assert choice.finish_reason in ("tool_calls", "length"), (budget, choice)
         chunks = list(smol_client.chat.completions.create(**common, stream=True))
         streamed: dict[int, dict] = {}
         for chunk in chunks:
@@ -226,4 +230,4 @@ def test_named_choice_gives_one_call_and_a_cut_call_never_leaks(smol_client):
             assert delta is None or "<tool_call" not in (delta.content or "")
             for d in (delta.tool_calls or []) if delta else []:
                 streamed.setdefault(d.index, {"arguments": ""})["arguments"] += d.function.arguments or ""
-        assert len(streamed) <= 1 and all(isinstance(json.loads(c["arguments"]), dict) for c in streamed.values())
+        assert len(streamed) == 1 and all(isinstance(json.loads(c["arguments"]), dict) for c in streamed.values())
