@@ -41,12 +41,12 @@ def fewest(smollm2_engine):
     return need
 
 
-def _json_answer(client: openai.OpenAI, name: str, budget: int, seed: int) -> tuple[str, str, str]:
+def _json_answer(client: openai.OpenAI, name: str, budget: int, seed: int) -> tuple[str, str, str, int]:
     r = client.chat.completions.create(
         model="smol", messages=[{"role": "user", "content": PROMPTS[name]}], max_tokens=budget,
         temperature=1.0, seed=seed,
         response_format={"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name]}})
-    return name, r.choices[0].message.content, r.choices[0].finish_reason
+    return name, r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
 
 
 def test_every_budget_forced_answer_parses_and_validates(smol_client, fewest):
@@ -55,8 +55,9 @@ def test_every_budget_forced_answer_parses_and_validates(smol_client, fewest):
     with ThreadPoolExecutor(32) as pool:
         answers = list(pool.map(lambda job: _json_answer(smol_client, *job), jobs))
     reasons = []
-    for (name, budget, _), (_, text, finish) in zip(jobs, answers, strict=True):
+    for (name, budget, _), (_, text, finish, used) in zip(jobs, answers, strict=True):
         jsonschema.validate(json.loads(text), SCHEMAS[name])  # parses and validates, or the test fails here
+        assert used <= budget
         reasons.append(finish)
     assert len(answers) == 270 and set(reasons) <= {"stop", "length"}
     assert reasons.count("length") > 100, "the budgets were meant to force most closes"
@@ -86,5 +87,5 @@ def test_a_budget_below_the_shortest_valid_output_is_a_400(smol_client, fewest):
     with pytest.raises(openai.BadRequestError) as e:
         _json_answer(smol_client, "review", need - 1, 0)
     assert e.value.body["param"] == "max_tokens" and "too small" in e.value.body["message"]
-    _, text, _ = _json_answer(smol_client, "review", need, 0)  # exactly enough is enough
+    _, text, _, _ = _json_answer(smol_client, "review", need, 0)  # exactly enough is enough
     jsonschema.validate(json.loads(text), SCHEMAS["review"])
