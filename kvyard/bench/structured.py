@@ -56,8 +56,10 @@ def add_structured_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def step_times(llm: LLM, batch: int, steps: int, constrained: bool) -> list[float]:
     spec = StructuredOutput.json_schema(SCHEMA) if constrained else None
-    params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=not constrained,
-                            structured_output=spec)
+    # A constrained request gets room to finish its record: a budget below the schema's shortest answer is a
+    # 400, and one near it would time the steering to close rather than the grammar's mask.
+    budget = steps + 16 + (256 if constrained else 0)
+    params = SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=not constrained, structured_output=spec)
     prompt = llm.chat_prompt([{"role": "user", "content": PROMPT}])
     return timed_decode_steps(llm, [prompt] * batch, params, steps)
 

@@ -27,6 +27,9 @@ _PATH_CHARS = _PREFERRED + "".join(c for c in string.printable if c not in _PREF
 # While this many tokens or more are left beyond the closing path's count, sampling is not restricted.
 # A single token can lengthen the path (opening an object whose properties are required), by up to this.
 FREE_MARGIN = 24
+# Beyond this many tokens left, no step is restricted and the path is not even counted: it costs a fork and
+# a walk per step, and no schema's closing path here comes near it.
+STEER_WITHIN = 128
 CANDIDATES = 16  # most likely allowed tokens checked at each restricted step
 FORCED_MASS = 1e-3  # a restriction that removes more probability than this forced the close
 _CLOSERS = '"}])>'  # tried first where one completes the match
@@ -101,7 +104,7 @@ class BudgetCloser:
 
     def restrict(self, row: torch.Tensor, left: int) -> None:
         """Mask `row` to tokens after which the grammar can still complete within `left - 1` tokens."""
-        if left <= 0:
+        if left <= 0 or left > STEER_WITHIN:
             return
         # A complete match may still go on (a second tool call, more digits): it is steered the same way.
         need = closing_steps(self.matcher, self.info, left + FREE_MARGIN)
