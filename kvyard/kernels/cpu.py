@@ -9,6 +9,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -72,17 +73,38 @@ _OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope
         "vnni_lowbit_linear")
 
 
+# A build takes about 40 s here. torch's build lock is a bare file that a killed build leaves behind, and
+# every later load then waits on it forever; one older than this is taken to be such a leftover.
+STALE_LOCK_S = 900.0
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove `build_dir`/lock when it is older than `max_age_s`; True when it did."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= max_age_s:
+        return False
+    log.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def _build() -> bool:
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     # The name carries a hash of every source, header and flag: any edit gets a fresh build, never a stale
     # cached library.
     parts = [p.read_bytes() for p in _SOURCES + _HEADERS] + [" ".join(_CFLAGS).encode()]
     digest = hashlib.sha256(b"".join(parts)).hexdigest()[:12]
     log.info("loading kvyard's CPU kernels (the first use on a machine compiles them, about 40 s)")
+    name = f"kvyard_cpu_ops_{digest}"
+    clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
     try:
         load(
-            name=f"kvyard_cpu_ops_{digest}",
+            name=name,
             sources=[str(p) for p in _SOURCES],
             extra_include_paths=[str(_CSRC)],
             extra_cflags=_CFLAGS,
