@@ -32,6 +32,8 @@ _SERVER_FLAGS: list[tuple[str, type, str]] = [
                               "detection settings come from --config's server.repetition_guard"),
     ("generation_config", str, "sampling defaults for what a request leaves out: auto (default: the model's "
                                "generation_config.json or GGUF metadata) or none (kvyard's own)"),
+    ("json_whitespace", str, "whitespace in constrained JSON: compact (default: one line, \", \" and \": \") or any "
+                             "(what JSON allows, at most 4 characters per gap)"),
     ("kv_events_port", int, "publish KV cache events for `kvyard route` on this ZeroMQ port (0: any free port)"),
     ("role", str, "prefill/decode disaggregation: both (default), prefill or decode"),
     ("kv_transfer_port", int, "prefill role: ZeroMQ port decode workers pull KV from (default: any free port)"),

@@ -25,6 +25,7 @@ import yaml
 from kvyard.config import EngineConfig, parse_bytes
 from kvyard.errors import ConfigError, InvalidRequestError
 from kvyard.server.repetition import RepetitionGuard, guard_setting
+from kvyard.structured.spec import JSON_WHITESPACE
 
 ROLES = ("both", "prefill", "decode")
 GENERATION_CONFIGS = ("auto", "none")
@@ -51,6 +52,8 @@ class ServerSettings:
     # Sampling defaults for parameters a request leaves out: "auto", the model's own (generation_config.json
     # or GGUF metadata, as vLLM's --generation-config auto); "none", kvyard's SamplingParams defaults.
     generation_config: str = "auto"
+    # Whitespace in constrained JSON: compact (default) or any, bounded per gap (kvyard/structured/compiler.py)
+    json_whitespace: str = "compact"
     # Publish KV cache events for a cache-aware router on this ZeroMQ port (0: any free port); None: off.
     kv_events_port: int | None = None
     # Prefill/decode disaggregation (kvyard/server/disagg.py). prefill: computes prompts' KV for decode
@@ -77,6 +80,8 @@ class ServerSettings:
             ("role", self.role in ROLES, f"must be one of {', '.join(ROLES)}"),
             ("generation_config", self.generation_config in GENERATION_CONFIGS,
              f"must be one of {', '.join(GENERATION_CONFIGS)}"),
+            ("json_whitespace", self.json_whitespace in JSON_WHITESPACE,
+             f"must be one of {', '.join(JSON_WHITESPACE)}"),
             ("kv_transfer_port", self.kv_transfer_port is None or 0 <= self.kv_transfer_port <= 65535,
              "must be in [0, 65535]"),
             ("kv_transfer_mode", self.kv_transfer_mode in ("blocks", "layers"), "must be blocks or layers"),

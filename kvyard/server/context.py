@@ -40,7 +40,7 @@ class ServerContext:
             admission=Admission(engine, settings.max_queue),
             drain=DrainState(),
             model_name=settings.served_model_name or engine.model_name,
-            grammars=GrammarService(engine, tokenizer),
+            grammars=GrammarService(engine, tokenizer, json_whitespace=settings.json_whitespace),
             disagg=Disaggregation(engine, settings, metrics.registry),
             generation_defaults=dict(engine.generation_defaults) if settings.generation_config == "auto" else {},
         )

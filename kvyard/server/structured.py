@@ -86,9 +86,11 @@ class GrammarService:
     """The front end's grammar compiler, built on first use (xgrammar scans the whole vocabulary once)."""
 
     def __init__(
-        self, engine: AsyncEngine, tokenizer: FrontendTokenizer, timeout_s: float = DEFAULT_TIMEOUT_S
+        self, engine: AsyncEngine, tokenizer: FrontendTokenizer, timeout_s: float = DEFAULT_TIMEOUT_S,
+        json_whitespace: str = "compact",
     ):
         self._engine = engine
+        self.json_whitespace = json_whitespace
         self._tokenizer = tokenizer
         self.timeout_s = timeout_s
         self._compiler: GrammarCompiler | None = None
@@ -105,7 +107,8 @@ class GrammarService:
                 # On the tokenizer's thread: xgrammar reads the vocabulary, and HF tokenizers are not
                 # safe to use from two threads at once.
                 self._compiler = await self._tokenizer.run(
-                    lambda tok: GrammarCompiler(tok, cfg.vocab_size, sorted(eos), timeout_s=self.timeout_s)
+                    lambda tok: GrammarCompiler(tok, cfg.vocab_size, sorted(eos), timeout_s=self.timeout_s,
+                                                json_whitespace=self.json_whitespace)
                 )
             self._compiler.timeout_s = self.timeout_s
             return self._compiler

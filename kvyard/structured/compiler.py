@@ -29,7 +29,7 @@ from typing import Any
 import xgrammar as xgr
 
 from kvyard.errors import InvalidRequestError
-from kvyard.structured.spec import StructuredOutput
+from kvyard.structured.spec import JSON_WHITESPACE, MAX_JSON_WHITESPACE, StructuredOutput
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_CACHE_ENTRIES = 512
@@ -71,7 +71,11 @@ class GrammarCompiler:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         cache_entries: int = DEFAULT_CACHE_ENTRIES,
         max_workers: int = 2,
+        json_whitespace: str = "compact",
     ):
+        if json_whitespace not in JSON_WHITESPACE:
+            raise ValueError(f"json_whitespace must be one of {', '.join(JSON_WHITESPACE)}, got {json_whitespace!r}")
+        self.json_whitespace = json_whitespace
         # vocab_size is the model's (lm_head rows), which may exceed the tokenizer's: padding rows are masked.
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
@@ -181,10 +185,9 @@ class GrammarCompiler:
         c = self._xgr
         if spec.kind == "json_object":
             # Any JSON object (not an array or a scalar), as OpenAI's json_object mode promises.
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            return c.compile_json_schema('{"type": "object"}', strict_mode=False, **self._whitespace())
         if spec.kind == "json_schema":
-            # Compact separators: a small model left free to indent tends to emit whitespace forever.
-            return c.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
+            return c.compile_json_schema(spec.source, strict_mode=True, **self._whitespace())
         if spec.kind == "regex":
             return c.compile_regex(spec.source)
         if spec.kind == "choice":
@@ -193,6 +196,11 @@ class GrammarCompiler:
         if spec.kind == "grammar":
             return c.compile_lark(spec.source) if spec.is_lark else c.compile_grammar(spec.source)
         return c.compile_structural_tag(spec.source)
+
+    def _whitespace(self) -> dict[str, Any]:
+        if self.json_whitespace == "compact":
+            return {"any_whitespace": False}
+        return {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 
     def _timeout(self, spec: StructuredOutput) -> GrammarTimeoutError:
         with self._lock:

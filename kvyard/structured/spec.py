@@ -16,6 +16,13 @@ from kvyard.errors import InvalidRequestError
 Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar", "structural_tag"]
 KINDS: tuple[Kind, ...] = ("json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
 
+# Whitespace between the tokens of constrained JSON. compact: one line with json.dumps's separators `, ` and
+# `: ` and no other whitespace (`{"a": 1, "b": [2, 3]}`, the spaces are the ones models saw in training); a
+# small model left free to indent tends to emit whitespace forever. any: what JSON allows, at most
+# MAX_JSON_WHITESPACE characters in each gap (the behaviour before compact was the default, now bounded).
+JSON_WHITESPACE = ("compact", "any")
+MAX_JSON_WHITESPACE = 4
+
 # A source this large is a mistake or an attack, not a format; it would also make compile time unbounded.
 MAX_SOURCE_CHARS = 256 * 1024
 

@@ -61,6 +61,8 @@ def test_flags_override_the_file_and_the_file_overrides_defaults(tmp_path, monke
     engine, server = serve_configs()  # no file, no flags: the dataclass defaults
     assert engine.block_size == 16 and server.port == 8000
     assert server.guard.action == "stop" and server.generation_config == "auto"  # but the deployment's guard
+    assert server.json_whitespace == "compact"
+    assert serve_configs("--json-whitespace", "any")[1].json_whitespace == "any"
 
 
 def test_api_key_precedence(tmp_path, monkeypatch):
@@ -75,6 +77,8 @@ def test_api_key_precedence(tmp_path, monkeypatch):
 def test_bad_values_are_errors():
     with pytest.raises(ConfigError, match="port"):
         ServerSettings(port=70000)
+    with pytest.raises(ConfigError, match="json_whitespace"):
+        ServerSettings(json_whitespace="pretty")
     with pytest.raises(InvalidRequestError):
         serve_configs("--max-body-bytes", "lots")
     with pytest.raises(ConfigError):

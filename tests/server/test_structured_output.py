@@ -142,3 +142,24 @@ def test_pathological_schema_times_out_as_a_400(engine):
             json={"prompt": "x", "max_tokens": 8, "guided_choice": ["ok"]},
         )
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+
+
+def test_constrained_json_is_one_line_with_fixed_separators(smol_client):
+    """The default (`--json-whitespace compact`): each answer is exactly what json.dumps writes for its value,
+    so no newline, no indentation, no run of spaces a small model could loop on."""
+    r = smol_client.chat.completions.create(model="smol", messages=MESSAGES, response_format=RESPONSE_FORMAT,
+                                            max_tokens=96, n=4, temperature=1.0, seed=11)
+    for choice in r.choices:
+        text = choice.message.content
+        assert text == json.dumps(json.loads(text), ensure_ascii=False), text
+
+
+def test_json_whitespace_any_reaches_the_compiler(smollm2_engine):
+    with running_server(smollm2_engine, served_model_name="smol", json_whitespace="any") as srv:
+        body = {"model": "smol", "messages": MESSAGES, "max_tokens": 96, "temperature": 0.0,
+                "response_format": RESPONSE_FORMAT}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200
+        jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), SCHEMA)
+        assert srv.ctx.grammars.json_whitespace == "any"
+        assert srv.ctx.grammars._compiler is not None and srv.ctx.grammars._compiler.json_whitespace == "any"

@@ -6,9 +6,9 @@ import asyncio
 import pytest
 
 from kvyard.errors import InvalidRequestError
-from kvyard.structured.compiler import GrammarCompileError, GrammarTimeoutError
+from kvyard.structured.compiler import GrammarCompileError, GrammarCompiler, GrammarTimeoutError
 from kvyard.structured.matcher import GrammarState
-from kvyard.structured.spec import StructuredOutput
+from kvyard.structured.spec import MAX_JSON_WHITESPACE, StructuredOutput
 
 
 def pathological_schema(n: int = 1000) -> dict:
@@ -89,6 +89,26 @@ def test_json_object_rejects_arrays_and_schemas_reject_extra_fields(compiler):
     assert not GrammarState(compiler.compile(StructuredOutput.json_object()))._matcher.accept_string("[1]")
     strict = StructuredOutput.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
     assert not GrammarState(compiler.compile(strict))._matcher.accept_string('{"b": 1}')
+
+
+def test_json_whitespace_is_compact_by_default_and_bounded_when_any(tiny_tokenizer, tiny_vocab_size):
+    def accepts(compiler: GrammarCompiler, spec: StructuredOutput, text: str) -> bool:
+        matcher = GrammarState(compiler.compile(spec))._matcher
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    eos = [tiny_tokenizer.eos_token_id or 0]
+    compact = GrammarCompiler(tiny_tokenizer, tiny_vocab_size, eos)
+    free = GrammarCompiler(tiny_tokenizer, tiny_vocab_size, eos, json_whitespace="any")
+    schema = StructuredOutput.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    for spec in (schema, StructuredOutput.json_object()):
+        assert accepts(compact, spec, '{"a": 1}') and accepts(free, spec, '{"a": 1}')
+        for loose in ('{"a":1}', '{"a":  1}', '{ "a": 1}', '{\n  "a": 1\n}'):
+            assert not accepts(compact, spec, loose) and accepts(free, spec, loose), loose
+        gap = " " * MAX_JSON_WHITESPACE
+        assert accepts(free, spec, '{"a":' + gap + "1}")
+        assert not accepts(free, spec, '{"a":' + gap + " 1}")  # one more than the bound
+    with pytest.raises(ValueError, match="json_whitespace"):
+        GrammarCompiler(tiny_tokenizer, tiny_vocab_size, eos, json_whitespace="loose")
 
 
 @pytest.mark.parametrize(
