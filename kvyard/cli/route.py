@@ -6,9 +6,15 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvyard.errors import ConfigError
+from kvyard.loader.registry import DEFAULT_MODEL
 from kvyard.router.config import POLICIES
+from kvyard.server.config import DeployConfig, load_deploy_config
+
+if TYPE_CHECKING:
+    from kvyard.cluster.config import ClusterConfig
 
 # RouterSettings fields that are flags of both commands: (name, type, help)
 _ROUTER_FLAGS: list[tuple[str, type, str]] = [
@@ -38,8 +44,9 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICIES, default="kv")
     p.add_argument(
         "--model",
-        default="smollm2-135m",
-        help="the model the workers serve: the router hashes prompts with its tokenizer",
+        default=None,
+        help="the model the workers serve: the router hashes prompts with its tokenizer (default: the deployment "
+             "file's engine.model, else smollm2-135m)",
     )
     for name, kind, help_text in _ROUTER_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
@@ -61,9 +68,12 @@ def add_route_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     route.set_defaults(func=cmd_route)
 
     up = sub.add_parser("up", help="start N `kvyard serve` workers and the router in one command")
-    up.add_argument("--replicas", type=int, default=2, help="colocated workers (role both)")
-    up.add_argument("--prefill", type=int, default=0, help="disaggregated: prefill workers (with --decode)")
-    up.add_argument("--decode", type=int, default=0, help="disaggregated: decode workers (with --prefill)")
+    up.add_argument("--config", default=None,
+                    help="YAML deployment file: `engine:` and `server:` for every worker, `cluster:` for the "
+                         "deployment (replicas, placement, autoscaling); flags override it")
+    up.add_argument("--replicas", type=int, default=None, help="colocated workers (role both; default 2)")
+    up.add_argument("--prefill", type=int, default=None, help="disaggregated: prefill workers (with --decode)")
+    up.add_argument("--decode", type=int, default=None, help="disaggregated: decode workers (with --prefill)")
     up.add_argument("--router-port", type=int, default=8000)
     up.add_argument(
         "--worker-port", type=int, default=None, help="first worker's port (default: router port + 1)"
@@ -118,6 +128,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     if not args.worker:
         print("kvyard route: error: give at least one --worker URL", file=sys.stderr)
         return 2
+    args.model = args.model or DEFAULT_MODEL
     settings = router_settings(args, args.worker, args.port)
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     serve_router(settings)
@@ -128,16 +139,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     from kvyard.router.launcher import Cluster, ClusterSpec, RestartPolicy, split_args
     from kvyard.router.server import serve_router
 
-    disaggregated = bool(args.prefill or args.decode)
-    if disaggregated and (args.prefill < 1 or args.decode < 1):
-        print("kvyard up: error: a disaggregated deployment needs --prefill >= 1 and --decode >= 1", file=sys.stderr)
+    try:
+        deploy = load_deploy_config(args.config) if args.config else DeployConfig()
+        cluster = cluster_config(args, deploy)
+    except ConfigError as e:
+        print(f"kvyard up: error: {e}", file=sys.stderr)
         return 2
-    if args.replicas < 1:
-        print("kvyard up: error: --replicas must be >= 1", file=sys.stderr)
-        return 2
-    roles = ["prefill"] * args.prefill + ["decode"] * args.decode if disaggregated else ["both"] * args.replicas
+    args.model = args.model or deploy.engine.get("model") or DEFAULT_MODEL
+    roles = cluster.roles()
     if args.ray is not None:
-        return _up_on_ray(args, roles)
+        return _up_on_ray(args, cluster, deploy)
     spec = ClusterSpec(
         replicas=len(roles),
         roles=roles,
@@ -145,7 +156,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         worker_port=args.worker_port or args.router_port + 1,
         host=args.host or "127.0.0.1",
         num_threads=args.num_threads,
-        serve_args=split_args(args.serve_args),
+        serve_args=(["--config", args.config] if args.config else []) + split_args(args.serve_args),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         api_key=args.worker_api_key or api_key(args),
     )
@@ -171,25 +182,32 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _up_on_ray(args: argparse.Namespace, roles: list[str]) -> int:
-    """`kvyard up --ray`: the same deployment with every replica a Ray actor; the router runs in this driver."""
+def cluster_config(args: argparse.Namespace, deploy: "DeployConfig") -> "ClusterConfig":
+    """The deployment file's `cluster:` section with the flags that were given on top."""
     from kvyard.cluster.config import ClusterConfig
+
+    flags = {
+        "replicas": args.replicas, "prefill": args.prefill, "decode": args.decode,
+        "cpus_per_replica": args.cpus_per_replica, "strategy": args.placement_strategy,
+        "placement_timeout": args.placement_timeout, "address": args.ray or None,
+    }
+    return ClusterConfig(**{**deploy.cluster, **{k: v for k, v in flags.items() if v is not None}})
+
+
+def _up_on_ray(args: argparse.Namespace, cluster: "ClusterConfig", deploy: "DeployConfig") -> int:
+    """`kvyard up --ray`: the same deployment with every replica a Ray actor; the router runs in this driver."""
     from kvyard.cluster.controller import RayController
     from kvyard.router.launcher import split_args
     from kvyard.router.server import serve_router
 
-    given = {
-        "cpus_per_replica": args.cpus_per_replica,
-        "strategy": args.placement_strategy,
-        "placement_timeout": args.placement_timeout,
-    }
-    cluster = ClusterConfig(address=args.ray or None, **{k: v for k, v in given.items() if v is not None})
     host = args.host or "127.0.0.1"
     logging.basicConfig(level=(args.log_level or "info").upper(), format="%(levelname)s %(name)s: %(message)s")
     RayController.connect(cluster.address, host)
     key = args.worker_api_key or api_key(args)
     serve_argv = ["--model", args.model, *split_args(args.serve_args), *(["--api-key", key] if key else [])]
-    controller = RayController(cluster, serve_argv, roles, host)
+    # The file's engine and server sections travel with each actor: other nodes need not have the file.
+    controller = RayController(cluster, serve_argv, cluster.roles(), host, deploy={"engine": deploy.engine,
+                                                                                  "server": deploy.server})
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         urls = controller.start_all()

@@ -15,7 +15,7 @@ from kvyard.cli.engine_args import add_engine_args
 from kvyard.config import EngineConfig
 
 if TYPE_CHECKING:
-    from kvyard.server.config import ServerSettings
+    from kvyard.server.config import DeployConfig, ServerSettings
 
 _SERVER_FLAGS: list[tuple[str, type, str]] = [
     ("host", str, "address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)"),
@@ -59,10 +59,13 @@ def explicit_values(args: argparse.Namespace, names: list[str]) -> dict[str, obj
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
-def configs_from_args(args: argparse.Namespace) -> "tuple[EngineConfig, ServerSettings]":
+def configs_from_args(
+    args: argparse.Namespace, deploy: "DeployConfig | None" = None
+) -> "tuple[EngineConfig, ServerSettings]":
+    """`deploy`: the deployment file's sections when they came some other way than `--config` (a Ray actor's)."""
     from kvyard.server.config import build_configs, load_deploy_config
 
-    deploy = load_deploy_config(args.config) if args.config else None
+    deploy = load_deploy_config(args.config) if args.config else deploy
     engine_flags = explicit_values(args, [f.name for f in dataclasses.fields(EngineConfig)])
     server_flags = explicit_values(args, [name for name, _, _ in _SERVER_FLAGS])
     if "api_key" not in server_flags and os.environ.get("KVYARD_API_KEY"):

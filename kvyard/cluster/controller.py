@@ -42,6 +42,7 @@ class RayController:
     serve_argv: list[str]  # `kvyard serve` flags every replica gets (model, dtype, ...)
     roles: list[str]
     host: str = "127.0.0.1"
+    deploy: dict[str, Any] | None = None  # the deployment file's engine and server sections, for every replica
     replicas: list[Replica] = field(default_factory=list)
     replacements: int = 0
     stopping: bool = False
@@ -66,7 +67,7 @@ class RayController:
         """Place every replica and wait until each serves; returns their URLs. Raises PlacementError, or
         ValueError for serve flags that would not parse (checked here, before anything is placed)."""
         for role in set(self.roles):
-            parse_serve_argv(self._argv(role))
+            parse_serve_argv(self._argv(role), self.deploy)
         self.replicas = [self._place(role) for role in self.roles]
         for r in self.replicas:
             self._wait_ready(r)
@@ -85,7 +86,7 @@ class RayController:
                 max_concurrency=4,  # run_until_stopped stays outstanding while wait_ready answers
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
             )
-            .remote(argv, c.cpus_per_replica, self.host)
+            .remote(argv, c.cpus_per_replica, self.host, self.deploy)
         )
         return Replica(role, actor, pg)
 

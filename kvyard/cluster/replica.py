@@ -15,18 +15,20 @@ from typing import Any
 import httpx
 
 
-def parse_serve_argv(argv: list[str]) -> tuple[Any, Any]:
-    """`kvyard serve` flags -> (EngineConfig, ServerSettings). A bad flag raises ValueError: argparse's own
-    exit would kill the actor (and the Ray worker with it) with nothing but a usage line in its log."""
+def parse_serve_argv(argv: list[str], deploy: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """`kvyard serve` flags over the deployment file's `engine:` and `server:` sections (`deploy`) ->
+    (EngineConfig, ServerSettings). A bad flag raises ValueError: argparse's own exit would kill the actor (and
+    the Ray worker with it) with nothing but a usage line in its log."""
     from kvyard.cli.main import build_parser
     from kvyard.cli.serve import configs_from_args
+    from kvyard.server.config import DeployConfig
 
     try:
         args = build_parser().parse_args(["serve", *argv])
     except SystemExit:
         shown = ["***" if i and argv[i - 1] == "--api-key" else a for i, a in enumerate(argv)]  # keep keys out of logs
         raise ValueError(f"invalid `kvyard serve` flags for a replica: {' '.join(shown)}") from None
-    return configs_from_args(args)
+    return configs_from_args(args, DeployConfig(**deploy) if deploy else None)
 
 
 def _free_port(host: str) -> int:
@@ -36,7 +38,7 @@ def _free_port(host: str) -> int:
 
 
 class ReplicaActor:
-    def __init__(self, serve_argv: list[str], num_threads: int, host: str):
+    def __init__(self, serve_argv: list[str], num_threads: int, host: str, deploy: dict[str, Any] | None = None):
         import ray
 
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -45,7 +47,8 @@ class ReplicaActor:
         import torch
 
         torch.set_num_threads(num_threads)
-        self.engine_config, self.settings = parse_serve_argv([*serve_argv, "--num-threads", str(num_threads)])
+        self.engine_config, self.settings = parse_serve_argv([*serve_argv, "--num-threads", str(num_threads)],
+                                                             deploy)
         self.settings.host, self.settings.port = host, _free_port(host)
         self.url = f"http://{host}:{self.settings.port}"
         self.error: BaseException | None = None

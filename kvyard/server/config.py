@@ -1,6 +1,6 @@
 """Server settings and the YAML deployment file that sets them together with the engine's.
 
-A deployment file has two optional sections, each a mapping of field names:
+A deployment file has up to three optional sections, each a mapping of field names:
 
     engine:            # any EngineConfig field
       model: smollm2-135m
@@ -8,6 +8,8 @@ A deployment file has two optional sections, each a mapping of field names:
     server:            # any ServerSettings field
       port: 8000
       max_queue: 128
+    cluster:           # any ClusterConfig field: what `kvyard up` deploys (`kvyard serve` ignores it)
+      replicas: 2
 
 Nested sections, not one flat mapping, so that a name can never be ambiguous and a typo is reported
 with the section it was found in. Precedence: dataclass defaults < the file < command-line flags.
@@ -22,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from kvyard.cluster.config import ClusterConfig
 from kvyard.config import EngineConfig, parse_bytes
 from kvyard.errors import ConfigError, InvalidRequestError
 from kvyard.server.repetition import RepetitionGuard, guard_setting
@@ -104,9 +107,10 @@ class DeployConfig:
 
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)
     server: dict[str, Any] = dataclasses.field(default_factory=dict)
+    cluster: dict[str, Any] = dataclasses.field(default_factory=dict)  # `kvyard up` only (kvyard/cluster/config.py)
 
 
-_SECTIONS: dict[str, type] = {"engine": EngineConfig, "server": ServerSettings}
+_SECTIONS: dict[str, type] = {"engine": EngineConfig, "server": ServerSettings, "cluster": ClusterConfig}
 
 
 def load_deploy_config(path: str | Path) -> DeployConfig:
@@ -120,12 +124,14 @@ def load_deploy_config(path: str | Path) -> DeployConfig:
     if data is None:
         return DeployConfig()
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping with 'engine' and/or 'server' sections", param="config")
+        raise ConfigError(f"{path}: expected a mapping of 'engine', 'server' and 'cluster' sections",
+                          param="config")
     config = DeployConfig()
     for section, body in data.items():
         if section not in _SECTIONS:
             raise ConfigError(
-                f"{path}: unknown key {section!r}; the top level has only 'engine' and 'server'", param=str(section)
+                f"{path}: unknown key {section!r}; the top level has only 'engine', 'server' and 'cluster'",
+                param=str(section),
             )
         if body is None:
             continue

@@ -115,8 +115,11 @@ def cluster(tiny_path, tmp_path_factory):
 
 def test_a_keyed_deployment_serves_and_a_wrong_key_gets_401(tiny_path, tmp_path):
     """`kvyard up --api-key`: the router asks clients for the key and passes it to its workers (which get it in
-    their environment, so it is not on their command lines)."""
-    proc, port = start_up(tiny_path, tmp_path, 1, "--api-key", "up-secret")
+    their environment, so it is not on their command lines). Its deployment file's server section reaches the
+    workers too."""
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text("server:\n  served_model_name: tiny-from-file\ncluster:\n  replicas: 1\n")
+    proc, port = start_up(tiny_path, tmp_path, 1, "--api-key", "up-secret", "--config", str(deploy))
     url = f"http://127.0.0.1:{port}"
     try:
         keyed = {"authorization": "Bearer up-secret"}
@@ -130,6 +133,8 @@ def test_a_keyed_deployment_serves_and_a_wrong_key_gets_401(tiny_path, tmp_path)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         worker = f"http://127.0.0.1:{port + 1}"
         assert httpx.get(worker + "/v1/models", trust_env=False).status_code == 401  # the worker is keyed too
+        models = httpx.get(worker + "/v1/models", headers=keyed, trust_env=False).json()["data"]
+        assert [m["id"] for m in models] == ["tiny-from-file"]
         cmdlines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children(proc.pid)]
         assert cmdlines and not any(b"up-secret" in c for c in cmdlines)
     finally:
