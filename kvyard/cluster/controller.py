@@ -18,9 +18,11 @@ import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from kvyard.cluster.autoscaler import Autoscaler, ScalePolicy
 from kvyard.cluster.config import ClusterConfig
 from kvyard.cluster.placement import reserve
 from kvyard.cluster.replica import ReplicaActor, parse_serve_argv
+from kvyard.router.observed import Observed
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,9 @@ class RayController:
     replacements: int = 0
     stopping: bool = False
     placed: int = 0  # replicas placed so far: numbers each placement group's name, which must stay unique
-    events: list[tuple[str, str]] = field(default_factory=list)  # ("died" | "replaced", url), oldest first
+    events: list[tuple[str, str]] = field(default_factory=list)  # ("died" | "replaced" | ..., url), oldest first
+    retired: set[str] = field(default_factory=set)  # URLs of replicas removed on purpose (autoscaling down)
+    autoscaler: Autoscaler | None = None
     _tasks: set["asyncio.Task[None]"] = field(default_factory=set)
 
     @staticmethod
@@ -100,9 +104,15 @@ class RayController:
         r.stopped = r.actor.run_until_stopped.remote()
         log.info("replica %s (%s) on node %s", r.url, r.role, r.node_id[:12])
 
-    def _replace(self, dead: Replica) -> Replica:
-        r = self._place(dead.role)
-        self._wait_ready(r)
+    def _start(self, role: str) -> Replica:
+        """Place a replica and wait until it serves (blocking: run it in a thread from the event loop)."""
+        r = self._place(role)
+        try:
+            self._wait_ready(r)
+        except BaseException:
+            ray.kill(r.actor, no_restart=True)  # nothing of a replica that never served is left behind
+            remove_placement_group(r.pg)
+            raise
         return r
 
     def stop(self) -> None:
@@ -117,15 +127,40 @@ class RayController:
 
     # ---- watching (on the router's event loop) -------------------------------------------------------
 
-    async def watch(self, registry: Any) -> None:
-        """Follow every replica's death signal for as long as the router runs."""
+    async def watch(self, registry: Any, observed: Any = None) -> None:
+        """Follow every replica's death signal for as long as the router runs, and autoscale when configured."""
         for r in self.replicas:
             self._watch_one(registry, r)
+        if self.cluster.scaling is not None:
+            self.autoscaler = Autoscaler(ScalePolicy(self.cluster.scaling), self, registry, observed or Observed())
+            self._keep(asyncio.create_task(self.autoscaler.run(), name="kvyard-autoscaler"))
 
-    def _watch_one(self, registry: Any, r: Replica) -> None:
-        task = asyncio.create_task(self._on_death(registry, r), name=f"kvyard-watch-{r.url}")
+    async def add_replica(self, registry: Any, role: str = "both") -> Replica:
+        """Place one more replica, wait until it serves, and route to it."""
+        r = await asyncio.to_thread(self._start, role)
+        self.replicas.append(r)
+        await registry.add(r.url)
+        self.events.append(("added", r.url))
+        self._watch_one(registry, r)
+        return r
+
+    async def retire(self, registry: Any, url: str) -> None:
+        """Remove a replica on purpose (the caller drained it first): its death is not a failure."""
+        r = next(x for x in self.replicas if x.url == url)
+        self.retired.add(url)
+        self.replicas = [x for x in self.replicas if x is not r]
+        registry.forget(url)
+        ray.kill(r.actor, no_restart=True)
+        remove_placement_group(r.pg)
+        self.events.append(("retired", url))
+        log.info("replica %s retired", url)
+
+    def _keep(self, task: "asyncio.Task[None]") -> None:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _watch_one(self, registry: Any, r: Replica) -> None:
+        self._keep(asyncio.create_task(self._on_death(registry, r), name=f"kvyard-watch-{r.url}"))
 
     async def _on_death(self, registry: Any, r: Replica) -> None:
         try:
@@ -133,7 +168,7 @@ class RayController:
             reason = "its server stopped"
         except Exception as e:  # noqa: BLE001 - RayActorError, node death, a failed server
             reason = f"Ray reports the actor dead ({type(e).__name__})"
-        if self.stopping:
+        if self.stopping or r.url in self.retired:
             return
         w = registry.workers.get(r.url)
         if w is not None:  # dead at once: out of the rotation, its prefix-index entries and predictions dropped
@@ -144,7 +179,7 @@ class RayController:
         if not self.cluster.replace_dead:
             return
         try:
-            new = await asyncio.to_thread(self._replace, r)
+            new = await asyncio.to_thread(self._start, r.role)
         except Exception as e:  # noqa: BLE001 - logged; the deployment serves with the others
             log.error("could not replace replica %s: %s", r.url, e)
             return

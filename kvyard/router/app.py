@@ -83,7 +83,7 @@ def build_router_app(settings: RouterSettings, tokenizer: Any, controller: Any =
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.router = RouterState.start(settings, tokenizer)
         if controller is not None:
-            await controller.watch(app.state.router.registry)
+            await controller.watch(app.state.router.registry, app.state.router.proxy.observed)
         try:
             yield
         finally:

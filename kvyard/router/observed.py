@@ -29,6 +29,15 @@ class Observed:
     ttft: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     itl: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     decisions: deque[tuple[float, str, str]] = field(default_factory=lambda: deque(maxlen=DECISIONS))
+    ttft_at: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # time.monotonic() of each
+
+    def record_ttft(self, seconds: float) -> None:
+        self.ttft.append(seconds)
+        self.ttft_at.append(time.monotonic())
+
+    def ttft_quantile_since(self, since: float, q: float = 0.5) -> float | None:
+        """The q-quantile of the TTFTs seen since `since` (time.monotonic()), in seconds; None if none."""
+        return percentile([v for v, t in zip(self.ttft, self.ttft_at, strict=True) if t >= since], q)
 
     def decided(self, worker: str, reason: str) -> None:
         self.decisions.append((time.time(), worker, reason))

@@ -173,7 +173,7 @@ class Proxy:
             raise self._fail(
                 d, e if not isinstance(e, StopAsyncIteration) else WorkerFailed("empty stream")
             ) from e
-        self.observed.ttft.append(time.monotonic() - arrival)
+        self.observed.record_ttft(time.monotonic() - arrival)
         return StreamingResponse(self._relay(d, req, resp, first, events), headers=self._headers(resp, d))
 
     async def _relay(

@@ -32,6 +32,7 @@ class Worker:
     kv_usage: float = 0.0  # fraction of its KV blocks in use
     repetition_trips: float = 0.0  # times its repetition guard intervened
     prefills_in_flight: int = 0  # prompts this router is having it prefill for a decode worker
+    draining: bool = False  # being removed (autoscaling down): no new requests, the ones in flight finish
     # Set when the worker is declared dead, so its in-flight requests stop waiting for it at once.
     dead: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -47,7 +48,7 @@ class Worker:
 
     @property
     def routable(self) -> bool:
-        return self.status is WorkerStatus.HEALTHY
+        return self.status is WorkerStatus.HEALTHY and not self.draining
 
     @property
     def observed_hit_rate(self) -> float:
@@ -58,6 +59,7 @@ class Worker:
             "url": self.url,
             "role": self.role,
             "status": self.status.value,
+            "draining": self.draining,
             "error": self.error,
             "in_flight": self.in_flight,
             "in_flight_blocks": self.in_flight_blocks,

@@ -9,7 +9,6 @@ clear error), nothing goes to the dead replica and a replacement joins and serve
 nodes gives the same greedy fp32 tokens as colocated serving and as HF transformers.
 """
 
-import os
 import time
 
 import httpx
@@ -17,36 +16,19 @@ import pytest
 
 ray = pytest.importorskip("ray")
 from openai import OpenAI  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from kvyard.cluster.config import ClusterConfig  # noqa: E402
 from kvyard.cluster.controller import RayController  # noqa: E402
 from kvyard.cluster.placement import PlacementError, reserve  # noqa: E402
+from tests.cluster.conftest import SLOT  # noqa: E402
 from tests.conftest import hf_greedy, hf_reference  # noqa: E402
 from tests.router.harness import errors_after_losing, running_router, start_streams  # noqa: E402
+from tests.server.harness import wait_until  # noqa: E402
 
 SERVE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "2MiB", "--max-num-batched-tokens", "256",
               "--log-level", "warning"]
-SLOT = {"replica-slot": 1.0}  # a custom resource only the three worker nodes have
 PROMPTS = ["The quick brown fox", "Paged attention keeps the KV cache", "Once upon a time there was"]
 SYSTEM = "You are a careful assistant. Paged attention keeps the KV cache in fixed-size blocks. " * 3
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # set by tests/conftest.py: loopback only
-    fast_death = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
-                  "health_check_initial_delay_ms": 0}
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False, "_system_config": fast_death})
-    nodes = [cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", resources=SLOT) for _ in range(3)]
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
-    try:
-        yield cluster, nodes
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def controller_for(model: str, roles: list[str]) -> RayController:
@@ -62,15 +44,6 @@ def greedy_texts(url: str, model: str) -> list[str]:
                                       extra_body={"ignore_eos": True})
         out.append(r.choices[0].text)
     return out
-
-
-def wait(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_an_unsatisfiable_placement_fails_fast_naming_what_is_missing(ray_cluster):
@@ -160,17 +133,17 @@ def test_a_node_lost_under_16_streams(ray_cluster, colocated, tiny_path):
     node = next(n for n in nodes if n.node_id == victim.node_id)
     t0 = time.monotonic()
     cluster.remove_node(node, allow_graceful=False)
-    assert wait(lambda: router.workers().get(victim.url, {}).get("status") != "healthy", 2.0), \
+    assert wait_until(lambda: router.workers().get(victim.url, {}).get("status") != "healthy", 2.0), \
         "the router did not mark the lost replica dead within 2 s"
     marked = time.monotonic() - t0
     errors = errors_after_losing(runs, victim.url)
     assert errors and all(e["code"] == "worker_failed" for e in errors), "no stream was on the lost replica"
     cut = len(errors)
     # The replacement is placed on the third node, passes the handshake and takes traffic.
-    assert wait(lambda: controller.replacements == 1, 120), "no replacement replica"
+    assert wait_until(lambda: controller.replacements == 1, 120), "no replacement replica"
     replacement = controller.replicas[-1]
     assert replacement.node_id not in (victim.node_id, controller.replicas[0].node_id)
-    assert wait(lambda: router.workers().get(replacement.url, {}).get("status") == "healthy", 30)
+    assert wait_until(lambda: router.workers().get(replacement.url, {}).get("status") == "healthy", 30)
     assert victim.url not in router.workers()
     served = set()
     for i in range(6):
@@ -191,7 +164,7 @@ def test_prefill_and_decode_on_two_nodes_give_the_colocated_tokens(colocated, ti
     try:
         assert len({r.node_id for r in disagg.replicas}) == 2
         with running_router(tokenizer, disagg, workers=urls, model=str(tiny_path), disagg_threshold=1) as router:
-            assert wait(lambda: all(w["status"] == "healthy" for w in router.workers().values()), 30)
+            assert wait_until(lambda: all(w["status"] == "healthy" for w in router.workers().values()), 30)
             assert greedy_texts(router.url, str(tiny_path)) == COLOCATED_TEXTS
             metrics = httpx.get(router.url + "/metrics", trust_env=False).text
             assert 'kvyard_router_disagg_decisions_total{decision="remote"} 3.0' in metrics, metrics
