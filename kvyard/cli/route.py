@@ -206,8 +206,9 @@ def _up_on_ray(args: argparse.Namespace, cluster: "ClusterConfig", deploy: "Depl
     key = args.worker_api_key or api_key(args)
     serve_argv = ["--model", args.model, *split_args(args.serve_args), *(["--api-key", key] if key else [])]
     # The file's engine and server sections travel with each actor: other nodes need not have the file.
-    controller = RayController(cluster, serve_argv, cluster.roles(), host, deploy={"engine": deploy.engine,
-                                                                                  "server": deploy.server})
+    # Each replica binds its own Ray node's address (127.0.0.1 for a local Ray instance); --host is the router's.
+    controller = RayController(cluster, serve_argv, cluster.roles(), deploy={"engine": deploy.engine,
+                                                                             "server": deploy.server})
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         urls = controller.start_all()

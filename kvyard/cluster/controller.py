@@ -43,7 +43,7 @@ class RayController:
     cluster: ClusterConfig
     serve_argv: list[str]  # `kvyard serve` flags every replica gets (model, dtype, ...)
     roles: list[str]
-    host: str = "127.0.0.1"
+    host: str | None = None  # the address every replica binds; None: each its own Ray node's address
     deploy: dict[str, Any] | None = None  # the deployment file's engine and server sections, for every replica
     replicas: list[Replica] = field(default_factory=list)
     replacements: int = 0
@@ -56,7 +56,8 @@ class RayController:
 
     @staticmethod
     def connect(address: str | None, host: str = "127.0.0.1") -> None:
-        """Join the cluster at `address`, or start a local Ray instance bound to `host`."""
+        """Join the cluster at `address`, or start a local Ray instance bound to `host` (a cluster's nodes
+        have their addresses already)."""
         if ray.is_initialized():
             return
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

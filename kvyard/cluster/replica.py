@@ -38,9 +38,13 @@ def _free_port(host: str) -> int:
 
 
 class ReplicaActor:
-    def __init__(self, serve_argv: list[str], num_threads: int, host: str, deploy: dict[str, Any] | None = None):
+    def __init__(self, serve_argv: list[str], num_threads: int, host: str | None = None,
+                 deploy: dict[str, Any] | None = None):
+        """`host`: the address the worker binds; None: its Ray node's own address (on a real cluster every
+        node has another one, and the router reaches each replica there)."""
         import ray
 
+        host = host or ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
         os.environ["KVYARD_NODE_ID"] = self.node_id  # kvyard/disagg/wire.py: same node id or no shm
