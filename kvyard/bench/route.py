@@ -97,8 +97,6 @@ def cell_stats(
 
 
 def run_cell(args: argparse.Namespace, replicas: int, policy: str, out_dir: Path) -> dict[str, Any]:
-    from kvyard.bench.serve import config_from_args
-
     model = args.model or "smollm2-135m"
     log_dir = out_dir / f"r{replicas}-{policy}"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -117,18 +115,24 @@ def run_cell(args: argparse.Namespace, replicas: int, policy: str, out_dir: Path
         router = cluster.start_router(args.router_port, policy, split_args(args.route_args))
         cluster.wait_ready([router], args.startup_timeout)
         _wait_all_healthy(router, replicas, args.startup_timeout)
-        before = scrape(router), {w: scrape(w) for w in workers}
-        args_for_cell = argparse.Namespace(**{**vars(args), "model": None})  # requests use the served name
-        report = run_benchmark(config_from_args(args_for_cell, router))
-        after = scrape(router), {w: scrape(w) for w in workers}
+        cell = measure(args, router, workers)
     finally:
         cluster.stop()
+    return {"replicas": replicas, "policy": policy, **cell}
+
+
+def measure(args: argparse.Namespace, router: str, workers: list[str]) -> dict[str, Any]:
+    """`bench serve`'s workload through `router`, with the router's and the workers' counters around it."""
+    from kvyard.bench.serve import config_from_args
+
+    before = scrape(router), {w: scrape(w) for w in workers}
+    args_for_cell = argparse.Namespace(**{**vars(args), "model": None})  # requests use the served name
+    report = run_benchmark(config_from_args(args_for_cell, router))
+    after = scrape(router), {w: scrape(w) for w in workers}
     [run] = report["runs"]
     s = run["summary"]
     stats = cell_stats(before[0], after[0], {w: (before[1][w], after[1][w]) for w in workers})
     return {
-        "replicas": replicas,
-        "policy": policy,
         "completed": s["completed"],
         "failed": s["failed"],
         "ttft_p50_ms": (s["ttft_ms"] or {}).get("p50"),

@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvyard.bench.offline import add_offline_bench_parser
     from kvyard.bench.prefix import add_prefix_bench_parser
     from kvyard.bench.quant import add_quant_bench_parser
+    from kvyard.bench.ray_route import add_ray_bench_parser
     from kvyard.bench.route import add_route_bench_parser
     from kvyard.bench.serve import add_serve_bench_parsers
     from kvyard.bench.spec import add_spec_bench_parser
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_bench_parsers(bench)
     add_prefix_bench_parser(bench)
     add_route_bench_parser(bench)
+    add_ray_bench_parser(bench)
     add_quant_bench_parser(bench)
     add_structured_bench_parser(bench)
     add_spec_bench_parser(bench)
