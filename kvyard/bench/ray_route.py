@@ -74,12 +74,12 @@ def simulated_cluster(nodes: int, cpus: int):
 
 
 @contextmanager
-def ray_deployment(args: argparse.Namespace, address: str, log: Path, *flags: str):
-    """`kvyard up --ray ADDRESS ...` as a process, until its router admits its replicas; the router's URL."""
+def ray_deployment(args: argparse.Namespace, address: str, log: Path, *flags: str, serve_args: str = ""):
+    """`kvyard up --ray ADDRESS ...` as a process, until its router answers; the router's URL."""
+    serve = " ".join(a for a in (args.serve_args, serve_args) if a)
     cmd = kvyard_command("up", "--ray", address, "--model", args.model or "smollm2-135m", "--router-port",
                          str(args.router_port), "--cpus-per-replica", str(args.cpus_per_replica),
-                         "--log-level", "warning", *(["--serve-args", args.serve_args] if args.serve_args else []),
-                         *flags)
+                         "--log-level", "info", *(["--serve-args", serve] if serve else []), *flags)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     router = f"http://{LOOPBACK}:{args.router_port}"
@@ -229,7 +229,10 @@ def run_ray_bench(args: argparse.Namespace) -> int:
                     "cluster:\n  replicas: 1\n  autoscale:\n    min_replicas: 1\n"
                     f"    max_replicas: {args.replicas}\n    target_waiting: 2\n    ttft_target_s: 0.5\n"
                     "    up_after_s: 2\n    down_after_s: 20\n    cooldown_s: 5\n")
-                with ray_deployment(args, address, out_dir / "up-autoscale.log", "--config", str(config)) as r:
+                # A replica takes at most 8 requests at once, as an operator sizes it for its latency target;
+                # more queue in its engine, which is the signal to add one.
+                with ray_deployment(args, address, out_dir / "up-autoscale.log", "--config", str(config),
+                                    serve_args="--max-num-seqs 8") as r:
                     samples = load_step(r, args.concurrency or 16, args.step_seconds, args.output_len)
                 report["autoscale"] = {"samples": samples, "max_replicas_seen": max(s[2] for s in samples),
                                        "final_replicas": samples[-1][2]}

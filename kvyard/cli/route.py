@@ -109,12 +109,12 @@ def add_route_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     up.set_defaults(func=cmd_up)
 
 
-def router_settings(args: argparse.Namespace, workers: list[str], port: int) -> Any:
+def router_settings(args: argparse.Namespace, workers: list[str], port: int, cluster_token: str | None = None) -> Any:
     from kvyard.router.config import RouterSettings
 
     given = {n: getattr(args, n) for n, _, _ in _ROUTER_FLAGS if getattr(args, n) is not None}
-    return RouterSettings(workers=workers, model=args.model, policy=args.policy, port=port,
-                          api_key=api_key(args), worker_api_key=args.worker_api_key, **given)
+    return RouterSettings(workers=workers, model=args.model, policy=args.policy, port=port, api_key=api_key(args),
+                          worker_api_key=args.worker_api_key, cluster_token=cluster_token, **given)
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -162,7 +162,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     )
     if spec.log_dir:
         spec.log_dir.mkdir(parents=True, exist_ok=True)
-    settings = router_settings(args, spec.worker_urls() + args.worker, args.router_port)
+    settings = router_settings(args, spec.worker_urls() + args.worker, args.router_port, spec.cluster_token)
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     cluster = Cluster(spec)
     # SIGTERM before uvicorn installs its handlers (while workers start) must still stop the workers.
@@ -213,7 +213,7 @@ def _up_on_ray(args: argparse.Namespace, cluster: "ClusterConfig", deploy: "Depl
     try:
         urls = controller.start_all()
         logging.getLogger("kvyard.up").info("Ray replicas: %s", controller.describe())
-        serve_router(router_settings(args, urls + args.worker, args.router_port), controller)
+        serve_router(router_settings(args, urls + args.worker, args.router_port, controller.token), controller)
     finally:
         controller.stop()
     return 0

@@ -63,6 +63,7 @@ def configs_from_args(
     args: argparse.Namespace, deploy: "DeployConfig | None" = None
 ) -> "tuple[EngineConfig, ServerSettings]":
     """`deploy`: the deployment file's sections when they came some other way than `--config` (a Ray actor's)."""
+    from kvyard.cluster.auth import TOKEN_ENV
     from kvyard.server.config import build_configs, load_deploy_config
 
     deploy = load_deploy_config(args.config) if args.config else deploy
@@ -70,6 +71,8 @@ def configs_from_args(
     server_flags = explicit_values(args, [name for name, _, _ in _SERVER_FLAGS])
     if "api_key" not in server_flags and os.environ.get("KVYARD_API_KEY"):
         server_flags["api_key"] = os.environ["KVYARD_API_KEY"]
+    if os.environ.get(TOKEN_ENV):  # only ever from the environment (`kvyard up` sets it), never a flag
+        server_flags["cluster_token"] = os.environ[TOKEN_ENV]
     return build_configs(deploy, engine_flags, server_flags)
 
 

@@ -1,1 +1,2 @@
-"""kvyard on a Ray cluster: replicas as Ray actors in placement groups, found and replaced by a controller."""
+"""kvyard as a fleet: the cluster token its processes share (auth.py), and on a Ray cluster replicas as Ray
+actors in placement groups, found, replaced and autoscaled by a controller."""

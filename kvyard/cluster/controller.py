@@ -18,6 +18,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from kvyard.cluster.auth import new_token
 from kvyard.cluster.autoscaler import Autoscaler, ScalePolicy
 from kvyard.cluster.config import ClusterConfig
 from kvyard.cluster.placement import reserve
@@ -51,6 +52,8 @@ class RayController:
     placed: int = 0  # replicas placed so far: numbers each placement group's name, which must stay unique
     events: list[tuple[str, str]] = field(default_factory=list)  # ("died" | "replaced" | ..., url), oldest first
     retired: set[str] = field(default_factory=set)  # URLs of replicas removed on purpose (autoscaling down)
+    # The deployment's cluster token: every replica's, and the router's (kvyard/cluster/auth.py).
+    token: str = field(default_factory=new_token, repr=False)
     autoscaler: Autoscaler | None = None
     _tasks: set["asyncio.Task[None]"] = field(default_factory=set)
 
@@ -91,7 +94,7 @@ class RayController:
                 max_concurrency=4,  # run_until_stopped stays outstanding while wait_ready answers
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
             )
-            .remote(argv, c.cpus_per_replica, self.host, self.deploy)
+            .remote(argv, c.cpus_per_replica, self.host, self.deploy, self.token)
         )
         return Replica(role, actor, pg)
 

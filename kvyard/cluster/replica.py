@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from kvyard.cluster.auth import TOKEN_ENV
+
 
 def parse_serve_argv(argv: list[str], deploy: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """`kvyard serve` flags over the deployment file's `engine:` and `server:` sections (`deploy`) ->
@@ -39,7 +41,7 @@ def _free_port(host: str) -> int:
 
 class ReplicaActor:
     def __init__(self, serve_argv: list[str], num_threads: int, host: str | None = None,
-                 deploy: dict[str, Any] | None = None):
+                 deploy: dict[str, Any] | None = None, cluster_token: str | None = None):
         """`host`: the address the worker binds; None: its Ray node's own address (on a real cluster every
         node has another one, and the router reaches each replica there)."""
         import ray
@@ -48,6 +50,8 @@ class ReplicaActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
         os.environ["KVYARD_NODE_ID"] = self.node_id  # kvyard/disagg/wire.py: same node id or no shm
+        if cluster_token:
+            os.environ[TOKEN_ENV] = cluster_token  # read with the serve flags, as a `kvyard up` worker reads it
         import torch
 
         torch.set_num_threads(num_threads)

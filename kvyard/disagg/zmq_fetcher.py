@@ -29,6 +29,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvyard.cluster.auth import present_token
 from kvyard.disagg import shm, wire
 from kvyard.disagg.layout import KVLayout
 from kvyard.disagg.payload import KVIntegrityError, KVPayload, KVTransferError, check_hashes, check_payload
@@ -38,23 +39,29 @@ from kvyard.disagg.warm_buffers import WarmBuffers
 log = logging.getLogger(__name__)
 
 TENSOR_NAMES = ("k", "v", "k_scale", "v_scale")
+# A source that asks for a cluster token refuses a wrong one (AUTH) or none at all (PROTOCOL, or NO_DETAIL, as
+# libzmq reports another mechanism on some sockets).
+_REFUSALS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 T = TypeVar("T")
 
 
 class _Connection:
     """One DEALER socket to a source, with a deadline and a disconnect monitor."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, timeout_s: float):
+    def __init__(self, ctx: zmq.Context, endpoint: str, timeout_s: float, token: str | None = None):
         self.endpoint, self.timeout_s = endpoint, timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)  # never block on close: a dead source must not hang us
         self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _REFUSALS)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.disconnected = False
+        self.refused = False  # the source refused our cluster token (or its absence)
+        present_token(self.sock, token)
         self.sock.connect(endpoint)
 
     def send(self, msg: msgspec.Struct) -> None:
@@ -68,6 +75,9 @@ class _Connection:
         while True:
             if self.sock.poll(0):
                 return self.sock.recv_multipart(copy=False)
+            if self.refused:
+                raise KVTransferError(f"{self.endpoint}: the KV source refused this worker's cluster token "
+                                      "(workers of one deployment share $KVYARD_CLUSTER_TOKEN)")
             if self.disconnected:  # every message that arrived whole was read above
                 raise KVTransferError(f"{self.endpoint}: the KV source disconnected while waiting for {what}")
             left = deadline - time.monotonic()
@@ -75,7 +85,10 @@ class _Connection:
                 raise KVTransferError(f"{self.endpoint}: timed out after {self.timeout_s:g} s waiting for {what} "
                                       "(KV source unreachable, dead or stalled)")
             if self.monitor in dict(self.poller.poll(math.ceil(1000 * left))):
-                self.disconnected |= recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED
+                while self.monitor.poll(0):  # all of them: a refusal comes with a disconnect
+                    event = recv_monitor_message(self.monitor)["event"]
+                    self.disconnected |= event == zmq.EVENT_DISCONNECTED
+                    self.refused |= bool(event & _REFUSALS)
 
     def close(self, linger_ms: int = 0) -> None:
         """`linger_ms`: how long ZeroMQ may still deliver what was sent last (close itself never blocks)."""
@@ -85,8 +98,10 @@ class _Connection:
 
 
 class KVFetcher:
-    def __init__(self, *, allow_shm: bool = True, release_wait_s: float = 1.0):
-        """`release_wait_s`: how long a fetch waits for the source to confirm the release (beyond its timeout)."""
+    def __init__(self, *, allow_shm: bool = True, release_wait_s: float = 1.0, token: str | None = None):
+        """`release_wait_s`: how long a fetch waits for the source to confirm the release (beyond its timeout).
+        `token`: the fleet's cluster token, presented to sources that ask for it."""
+        self.token = token
         self.allow_shm = allow_shm and bool(wire.host_id())
         self.release_wait_s = release_wait_s
         self.buffers = WarmBuffers()  # where layers and shared-memory segments are copied to
@@ -96,7 +111,7 @@ class KVFetcher:
               timeout_s: float, in_place: bool = False) -> KVPayload:
         """Pull transfer `transfer_id` from the source at `endpoint`, validated; then release it there, or,
         for a payload left in place, when the caller calls `payload.finish()`."""
-        conn = _Connection(self._ctx, endpoint, timeout_s)
+        conn = _Connection(self._ctx, endpoint, timeout_s, self.token)
         deferred = False
         try:
             payload = self._pull(conn, transfer_id, layout, expected_hashes, self.allow_shm, in_place)

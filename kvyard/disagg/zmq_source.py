@@ -25,6 +25,7 @@ import msgspec
 import torch
 import zmq
 
+from kvyard.cluster.auth import guard_server_socket
 from kvyard.disagg import shm, wire
 from kvyard.disagg.blocks import block_index, gather_layer
 from kvyard.disagg.layout import KVLayout
@@ -73,7 +74,9 @@ class _Held:
 
 class KVSource:
     def __init__(self, caches: list[LayerKV], block_size: int, bind: str = "tcp://127.0.0.1:0", *,
-                 advertise_host: str | None = None, mode: str = "blocks", allow_shm: bool = True):
+                 advertise_host: str | None = None, mode: str = "blocks", allow_shm: bool = True,
+                 token: str | None = None):
+        """`token`: the fleet's cluster token; fetchers that do not present it are refused at connection."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.caches, self.block_size, self.mode, self.allow_shm = caches, block_size, mode, allow_shm
@@ -86,6 +89,7 @@ class KVSource:
         self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop: a ROUTER at its high-water mark discards silently
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished fetcher is an error, not a silent drop
         self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # requests are small; anything else is not a fetcher
+        self._auth = guard_server_socket(self._ctx, self._sock, token)
         self._sock.bind(bind[:-2] + ":*" if bind.endswith(":0") else bind)
         self.endpoint = wire.advertised(self._sock.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         self._lock = threading.Lock()
@@ -165,6 +169,8 @@ class KVSource:
                 self._finish(held, "close")
             self.segment_pool.close()
             self._sock.close(linger=0)
+            if self._auth is not None:
+                self._auth.stop()
             self._ctx.term()
 
     def _sleep_ms(self) -> int:

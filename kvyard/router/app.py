@@ -79,6 +79,9 @@ def build_router_app(settings: RouterSettings, tokenizer: Any, controller: Any =
     """`controller`, when given (kvyard/cluster/controller.py), watches the replicas it placed and tells the
     registry when one dies or is replaced."""
 
+    if controller is not None and settings.cluster_token is None:
+        settings.cluster_token = controller.token  # the token the controller gave its replicas
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.router = RouterState.start(settings, tokenizer)

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+from kvyard.cluster.auth import HEADER, token_from_env
 from kvyard.errors import ConfigError
 
 POLICIES = ("kv", "round-robin", "least-loaded", "random")
@@ -40,6 +41,9 @@ class RouterSettings:
     # The key the router sends to workers (handshake, health, metrics, requests); None: api_key, else the
     # client's own Authorization header is passed through.
     worker_api_key: str | None = field(default=None, repr=False)
+    # The fleet's cluster token, for the workers' /kv/* and KV events (kvyard/cluster/auth.py); `kvyard up`
+    # draws one per deployment. None: $KVYARD_CLUSTER_TOKEN, else none.
+    cluster_token: str | None = field(default=None, repr=False)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -67,7 +71,9 @@ class RouterSettings:
         self.workers = [w.rstrip("/").removesuffix("/v1") for w in self.workers]
         if self.worker_api_key is None:
             self.worker_api_key = self.api_key
+        self.cluster_token = self.cluster_token or token_from_env()
 
     def worker_headers(self) -> dict[str, str]:
         """Headers on every request the router sends a worker."""
-        return {"authorization": f"Bearer {self.worker_api_key}"} if self.worker_api_key else {}
+        headers = {"authorization": f"Bearer {self.worker_api_key}"} if self.worker_api_key else {}
+        return headers | ({HEADER: self.cluster_token} if self.cluster_token else {})

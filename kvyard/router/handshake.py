@@ -4,6 +4,7 @@ would differ from ours (kvyard/server/kv_config.py explains why this matters).""
 import httpx
 import msgspec
 
+from kvyard.cluster.auth import HEADER
 from kvyard.errors import KvyardError
 from kvyard.server.kv_config import KVConfig, hash_mismatches
 
@@ -21,6 +22,10 @@ class HandshakeError(KvyardError):
 async def fetch_kv_config(client: httpx.AsyncClient, url: str, timeout: float) -> KVConfig:
     """Raises httpx errors when the worker does not answer, HandshakeError when it answers wrongly."""
     r = await client.get(url + "/kv/config", timeout=timeout)
+    if r.status_code in (401, 403) and _error_code(r) == "invalid_cluster_token":
+        token = "a cluster token it refused" if HEADER in client.headers else "no cluster token"
+        raise HandshakeError(url, [f"it answered {r.status_code}: the router sent {token}; a worker of another "
+                                   "deployment, or one started without this deployment's $KVYARD_CLUSTER_TOKEN"])
     if r.status_code in (401, 403):
         key = "a key it refused" if "authorization" in client.headers else "no key"
         raise HandshakeError(url, [f"it answered {r.status_code}: the router sent {key}; start the router "
@@ -32,6 +37,13 @@ async def fetch_kv_config(client: httpx.AsyncClient, url: str, timeout: float) -
         return msgspec.json.decode(r.content, type=KVConfig)
     except msgspec.ValidationError as e:
         raise HandshakeError(url, [f"/kv/config is malformed: {e}"]) from None
+
+
+def _error_code(r: httpx.Response) -> str | None:
+    try:
+        return r.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def check_config(url: str, expected: KVConfig, got: KVConfig, model: str | None) -> None:

@@ -17,6 +17,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvyard.cluster.auth import present_token
 from kvyard.engine.kv_events import BlockRemoved, BlockStored
 from kvyard.router.prefix_index import PrefixIndex
 from kvyard.server.kv_events import KVEventBatch, KVSnapshot
@@ -43,8 +44,10 @@ class KVEventSubscriber:
         client: httpx.AsyncClient,
         on_resync: Callable[[str], None] = lambda reason: None,
         on_events: Callable[[int], None] = lambda n: None,
+        token: str | None = None,
     ):
         self.worker_url = worker_url
+        self.token = token  # the fleet's cluster token, for a publisher that asks for it
         self.endpoint = reachable_endpoint(endpoint, worker_url)
         self.index = index
         self.client = client
@@ -75,6 +78,7 @@ class KVEventSubscriber:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        present_token(sock, self.token)
         sock.connect(self.endpoint)
         try:
             while True:

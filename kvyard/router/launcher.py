@@ -21,6 +21,7 @@ from typing import IO
 
 import httpx
 
+from kvyard.cluster.auth import TOKEN_ENV, new_token
 from kvyard.errors import KvyardError
 
 SHARED_CORES_SPIN_COUNT = 10000
@@ -49,6 +50,8 @@ class ClusterSpec:
     serve_args: list[str] = field(default_factory=list)  # more `kvyard serve` flags for every worker
     log_dir: Path | None = None  # worker logs go here; None: inherit our stdout/stderr
     api_key: str | None = field(default=None, repr=False)  # the workers' key, in their environment (not argv)
+    # The deployment's cluster token (kvyard/cluster/auth.py): every worker's and the router's, drawn anew.
+    cluster_token: str = field(default_factory=new_token, repr=False)
 
     def __post_init__(self) -> None:
         self.roles = self.roles or ["both"] * self.replicas
@@ -71,7 +74,7 @@ class ClusterSpec:
         prompts 6.5x the TTFT; with 100 (libgomp's own short spin) short-only throughput fell to 0.55x; with 10,000
         ITL p99 3.14x better, short-only 0.94x (BENCHMARKS.md, session 21). A worker alone on its cores keeps the
         default, which its decode steps need (kvyard/server/async_engine.py)."""
-        env = dict(os.environ)
+        env = dict(os.environ, **{TOKEN_ENV: self.cluster_token})
         if self.api_key:
             env["KVYARD_API_KEY"] = self.api_key
         shares_cores = self.threads() * self.replicas > (os.cpu_count() or 1)
@@ -205,7 +208,8 @@ class Cluster:
             *[a for u in s.worker_urls() for a in ("--worker", u)],
             *route_args,
         )
-        self.router = ChildProcess("router", cmd, s.log_dir / "router.log" if s.log_dir else None)
+        self.router = ChildProcess("router", cmd, s.log_dir / "router.log" if s.log_dir else None,
+                                   dict(os.environ, **{TOKEN_ENV: s.cluster_token}))
         return f"http://{s.host}:{port}"
 
     def wait_ready(self, urls: list[str], timeout: float, path: str = "/health") -> None:

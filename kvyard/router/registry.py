@@ -139,6 +139,7 @@ class WorkerRegistry:
                 self.client,
                 on_resync=lambda reason, u=w.url: self.metrics.resyncs.labels(u, reason).inc(),
                 on_events=lambda n, u=w.url: self.metrics.events.labels(u).inc(n),
+                token=self.s.cluster_token,
             )
             self.subscribers[w.url] = sub
             sub.start()

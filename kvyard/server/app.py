@@ -30,7 +30,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, drain=ctx.drain, metrics=ctx.metrics, api_key=settings.api_key,
-                       max_body_bytes=settings.max_body_bytes)
+                       max_body_bytes=settings.max_body_bytes, cluster_token=settings.cluster_token)
     app.add_middleware(InternalErrorMiddleware)  # added last: the outermost of ours, so it sees everything
 
     @app.get("/v1/models")

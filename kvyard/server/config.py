@@ -42,6 +42,9 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # when set, every route but /health needs `Authorization: Bearer KEY`
+    # When set, /kv/* and the ZeroMQ endpoints (KV events, KV transfer) admit only the fleet: this token, given
+    # by `kvyard up` in $KVYARD_CLUSTER_TOKEN (kvyard/cluster/auth.py), or the API key on /kv/*.
+    cluster_token: str | None = dataclasses.field(default=None, repr=False)
     # Requests refused with 429 once this many are queued (waiting in the engine or about to be); None: no limit.
     max_queue: int | None = 256
     max_body_bytes: int | str = "1MiB"
@@ -80,6 +83,7 @@ class ServerSettings:
             ("request_timeout", self.request_timeout is None or self.request_timeout > 0, "must be > 0"),
             ("drain_timeout", self.drain_timeout >= 0, "must be >= 0"),
             ("api_key", self.api_key is None or bool(self.api_key), "must not be empty"),
+            ("cluster_token", self.cluster_token is None or len(self.cluster_token) >= 16, "must be 16 characters or more"),
             ("role", self.role in ROLES, f"must be one of {', '.join(ROLES)}"),
             ("generation_config", self.generation_config in GENERATION_CONFIGS,
              f"must be one of {', '.join(GENERATION_CONFIGS)}"),

@@ -64,7 +64,7 @@ class PrefillService:
         port = settings.kv_transfer_port or 0
         host = settings.host if settings.host not in ("0.0.0.0", "::") else socket.gethostname()
         self.source = KVSource(engine.kv_caches, engine.block_size, bind=f"tcp://{settings.host}:{port}",
-                               advertise_host=host, mode=settings.kv_transfer_mode)
+                               advertise_host=host, mode=settings.kv_transfer_mode, token=settings.cluster_token)
         warm = self.source.warm_shm(-(-engine.max_model_len // engine.block_size))  # the longest prompt
         log.info("kv source at %s; shared-memory segment %s", self.source.endpoint,
                  "warmed" if warm else "not warmed (too large for the pool or /dev/shm)")
@@ -116,7 +116,7 @@ class KVReceiver:
 
         self.block_size = engine.block_size
         self.layout = KVLayout.of(engine.kv_caches, engine.block_size)
-        self.fetcher = KVFetcher()
+        self.fetcher = KVFetcher(token=settings.cluster_token)
         self.timeout = settings.kv_fetch_timeout
         self.metrics = metrics
 

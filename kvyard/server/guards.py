@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvyard.cluster.auth import HEADER, token_matches
 from kvyard.server.async_engine import AsyncEngine
 from kvyard.server.errors import APIError, send_error
 from kvyard.server.metrics import ServerMetrics
@@ -70,6 +71,10 @@ UNAUTHORIZED = APIError(401, "missing or invalid API key (Authorization: Bearer 
                         headers={"WWW-Authenticate": "Bearer"})
 
 
+BAD_CLUSTER_TOKEN = APIError(401, "cluster routes need this deployment's cluster token (X-Kvyard-Cluster-Token) "
+                             "or the API key", code="invalid_cluster_token")
+
+
 def bearer_matches(scope: Scope, api_key: str) -> bool:
     value = (_header(scope, b"authorization") or "").strip()
     scheme, _, token = value.partition(" ")
@@ -98,12 +103,23 @@ class _BodyTooLarge(Exception):
 
 class GuardMiddleware:
     def __init__(self, app: ASGIApp, drain: DrainState, metrics: ServerMetrics,
-                 api_key: str | None, max_body_bytes: int):
+                 api_key: str | None, max_body_bytes: int, cluster_token: str | None = None):
         self.app = app
         self.drain = drain
         self.metrics = metrics
         self.api_key = api_key
+        self.cluster_token = cluster_token
         self.max_body_bytes = max_body_bytes
+
+    def _authorized(self, scope: Scope, path: str) -> bool:
+        """/health is open. /kv/* (cluster-internal) takes the cluster token or the API key, when either is set;
+        every other path the API key, when set (kvyard/cluster/auth.py)."""
+        if path in _OPEN_PATHS:
+            return True
+        key_ok = self.api_key is not None and bearer_matches(scope, self.api_key)
+        if path.startswith("/kv/") and self.cluster_token is not None:
+            return key_ok or token_matches(_header(scope, HEADER.encode()), self.cluster_token)
+        return self.api_key is None or key_ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -115,9 +131,10 @@ class GuardMiddleware:
             await send_error(send, APIError(503, "the server is shutting down", code="server_draining",
                                         headers={"Connection": "close", "Retry-After": "5"}))
             return
-        if self.api_key is not None and path not in _OPEN_PATHS and not bearer_matches(scope, self.api_key):
+        if not self._authorized(scope, path):
             self.metrics.rejected.labels("unauthorized").inc()
-            await send_error(send, UNAUTHORIZED)
+            cluster_route = path.startswith("/kv/") and self.cluster_token is not None
+            await send_error(send, BAD_CLUSTER_TOKEN if cluster_route else UNAUTHORIZED)
             return
         declared = _header(scope, b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):

@@ -19,6 +19,7 @@ import uuid
 import msgspec
 import zmq
 
+from kvyard.cluster.auth import guard_server_socket
 from kvyard.engine.kv_events import KVEvent, apply_events
 
 log = logging.getLogger(__name__)
@@ -42,15 +43,18 @@ _STOP = object()
 
 class KVEventPublisher:
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, heartbeat_s: float = 1.0, instance_id: str | None = None
+        self, host: str = "127.0.0.1", port: int = 0, heartbeat_s: float = 1.0, instance_id: str | None = None,
+        token: str | None = None,
     ):
-        """Bind a PUB socket on `host:port` (port 0: any free port, see `endpoint`)."""
+        """Bind a PUB socket on `host:port` (port 0: any free port, see `endpoint`); with `token`, only
+        subscribers that present it connect (kvyard/cluster/auth.py)."""
         self.instance_id = instance_id or uuid.uuid4().hex
         self.heartbeat_s = heartbeat_s
         self._zmq = zmq.Context()
         self._sock = self._zmq.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self._auth = guard_server_socket(self._zmq, self._sock, token)
         bind_host = "*" if host in ("0.0.0.0", "") else host
         if port == 0:
             port = self._sock.bind_to_random_port(f"tcp://{bind_host}")
@@ -87,6 +91,8 @@ class KVEventPublisher:
             self._queue.put(_STOP)
             self._thread.join(5)
         self._sock.close()
+        if self._auth is not None:
+            self._auth.stop()
         self._zmq.term()
 
     def _run(self) -> None:

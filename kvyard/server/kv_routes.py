@@ -23,7 +23,7 @@ _ATTACH_TIMEOUT_S = 30.0
 def start_publisher(engine: AsyncEngine, settings: ServerSettings) -> KVEventPublisher | None:
     if settings.kv_events_port is None:
         return None
-    publisher = KVEventPublisher(settings.host, settings.kv_events_port)
+    publisher = KVEventPublisher(settings.host, settings.kv_events_port, token=settings.cluster_token)
     try:
         publisher.start(engine.enable_kv_events(publisher.put).result(_ATTACH_TIMEOUT_S))
     except BaseException:
