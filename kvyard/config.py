@@ -1,11 +1,16 @@
-"""Engine settings, with one parser for human-written sizes such as `2GiB`."""
+"""Engine settings, with one parser for human-written sizes such as `2GiB`, and the check every settings
+mapping from a file goes through (`check_fields`)."""
 
+import dataclasses
 import re
+import types
+import typing
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
-from kvyard.errors import InvalidRequestError
+from kvyard.errors import ConfigError, InvalidRequestError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -113,3 +118,33 @@ class EngineConfig:
         for name in ("num_speculative_tokens", "speculative_max_batch", "ngram_min", "ngram_max"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", param=name)
+
+
+def check_fields(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
+    """Reject unknown names and values of the wrong basic type; the dataclass checks ranges itself."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"{where}: unknown key {key!r}; known keys: {', '.join(sorted(known))}", param=key)
+        if not _matches(value, hints[key]):
+            raise ConfigError(f"{where}: {key} has the wrong type: {value!r}", param=key)
+    return dict(values)
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    if hint is Any:
+        return True
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True  # a type YAML cannot spell (torch.dtype): leave it to the dataclass

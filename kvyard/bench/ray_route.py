@@ -53,17 +53,20 @@ def add_ray_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 @contextmanager
-def simulated_cluster(nodes: int, cpus: int):
-    """A Ray cluster of `nodes` worker nodes on loopback, this process connected as a driver; its address."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+def simulated_cluster(nodes: int, cpus: int, resources: dict[str, float] | None = None):
+    """A Ray cluster on loopback: a head with no CPUs (for drivers) and `nodes` worker nodes of `cpus` CPUs (and
+    `resources` each), this process connected as a driver. Nodes that stop answering are declared dead within
+    about 1.5 s, as a lost machine would be with tighter health checks than Ray's default."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback only
     import ray
     from ray.cluster_utils import Cluster
 
-    fast_death = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
+    fast_death = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+                  "health_check_initial_delay_ms": 0}
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "node_ip_address": LOOPBACK, "include_dashboard": False, "_system_config": fast_death})
     for _ in range(nodes):
-        cluster.add_node(num_cpus=cpus, node_ip_address=LOOPBACK)
+        cluster.add_node(num_cpus=cpus, node_ip_address=LOOPBACK, resources=resources or {})
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
     try:
@@ -221,7 +224,6 @@ def run_ray_bench(args: argparse.Namespace) -> int:
                                     str(args.replicas)) as r:
                     _wait_all_healthy(r, args.replicas, args.startup_timeout)
                     report["recovery"] = recovery(cluster, r)
-            address = cluster.address
             if "autoscale" in phases:
                 print("bench ray: autoscaling under a load step", file=sys.stderr)
                 config = out_dir / "autoscale.yaml"
@@ -231,7 +233,7 @@ def run_ray_bench(args: argparse.Namespace) -> int:
                     "    up_after_s: 2\n    down_after_s: 20\n    cooldown_s: 5\n")
                 # A replica takes at most 8 requests at once, as an operator sizes it for its latency target;
                 # more queue in its engine, which is the signal to add one.
-                with ray_deployment(args, address, out_dir / "up-autoscale.log", "--config", str(config),
+                with ray_deployment(args, cluster.address, out_dir / "up-autoscale.log", "--config", str(config),
                                     serve_args="--max-num-seqs 8") as r:
                     samples = load_step(r, args.concurrency or 16, args.step_seconds, args.output_len)
                 report["autoscale"] = {"samples": samples, "max_replicas_seen": max(s[2] for s in samples),

@@ -213,7 +213,7 @@ def _up_on_ray(args: argparse.Namespace, cluster: "ClusterConfig", deploy: "Depl
     try:
         urls = controller.start_all()
         logging.getLogger("kvyard.up").info("Ray replicas: %s", controller.describe())
-        serve_router(router_settings(args, urls + args.worker, args.router_port, controller.token), controller)
+        serve_router(router_settings(args, urls + args.worker, args.router_port), controller)
     finally:
         controller.stop()
     return 0

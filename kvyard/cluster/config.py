@@ -1,9 +1,10 @@
 """`ClusterConfig`: what `kvyard up` deploys and, with `--ray`, what it asks of the Ray cluster (the
 deployment file's `cluster:` section; flags override it). `AutoscaleConfig` is its `autoscale:` part."""
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
+from kvyard.config import check_fields
 from kvyard.errors import ConfigError
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -13,15 +14,6 @@ def _check(section: str, obj: Any, checks: list[tuple[str, bool, str]]) -> None:
     for name, ok, why in checks:
         if not ok:
             raise ConfigError(f"{section} setting {name} {why}, got {getattr(obj, name)!r}", param=name)
-
-
-def _from_mapping(cls: type, values: dict[str, Any], where: str) -> Any:
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; known keys: {', '.join(sorted(known))}",
-                          param=unknown[0])
-    return cls(**values)
 
 
 @dataclass
@@ -73,7 +65,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.autoscale, dict):
-            self.autoscale = _from_mapping(AutoscaleConfig, self.autoscale, "cluster: autoscale")
+            self.autoscale = AutoscaleConfig(**check_fields(AutoscaleConfig, self.autoscale, "cluster: autoscale"))
         disaggregated = bool(self.prefill or self.decode)
         _check("cluster", self, [
             ("replicas", self.replicas >= 1, "must be >= 1"),

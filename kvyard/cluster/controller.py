@@ -139,12 +139,12 @@ class RayController:
             self.autoscaler = Autoscaler(ScalePolicy(self.cluster.scaling), self, registry, observed or Observed())
             self._keep(asyncio.create_task(self.autoscaler.run(), name="kvyard-autoscaler"))
 
-    async def add_replica(self, registry: Any, role: str = "both") -> Replica:
+    async def add_replica(self, registry: Any, role: str = "both", why: str = "added") -> Replica:
         """Place one more replica, wait until it serves, and route to it."""
         r = await asyncio.to_thread(self._start, role)
         self.replicas.append(r)
         await registry.add(r.url)
-        self.events.append(("added", r.url))
+        self.events.append((why, r.url))
         self._watch_one(registry, r)
         return r
 
@@ -183,17 +183,13 @@ class RayController:
         if not self.cluster.replace_dead:
             return
         try:
-            new = await asyncio.to_thread(self._start, r.role)
+            new = await self.add_replica(registry, r.role, why="replaced")
         except Exception as e:  # noqa: BLE001 - logged; the deployment serves with the others
             log.error("could not replace replica %s: %s", r.url, e)
             return
+        registry.forget(r.url)  # listed as dead (with Ray's reason) until its replacement took its place
         self.replacements += 1
-        self.replicas.append(new)
-        registry.forget(r.url)  # listed as dead (with Ray's reason) until its replacement takes its place
-        await registry.add(new.url)
-        self.events.append(("replaced", new.url))
         log.info("replica %s replaced by %s on node %s", r.url, new.url, new.node_id[:12])
-        self._watch_one(registry, new)
 
     async def close(self) -> None:
         for t in list(self._tasks):

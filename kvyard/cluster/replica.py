@@ -14,8 +14,6 @@ from typing import Any
 
 import httpx
 
-from kvyard.cluster.auth import TOKEN_ENV
-
 
 def parse_serve_argv(argv: list[str], deploy: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """`kvyard serve` flags over the deployment file's `engine:` and `server:` sections (`deploy`) ->
@@ -50,14 +48,13 @@ class ReplicaActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
         os.environ["KVYARD_NODE_ID"] = self.node_id  # kvyard/disagg/wire.py: same node id or no shm
-        if cluster_token:
-            os.environ[TOKEN_ENV] = cluster_token  # read with the serve flags, as a `kvyard up` worker reads it
         import torch
 
         torch.set_num_threads(num_threads)
         self.engine_config, self.settings = parse_serve_argv([*serve_argv, "--num-threads", str(num_threads)],
                                                              deploy)
         self.settings.host, self.settings.port = host, _free_port(host)
+        self.settings.cluster_token = cluster_token or self.settings.cluster_token
         self.url = f"http://{host}:{self.settings.port}"
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._serve, name="kvyard-replica", daemon=True)

@@ -16,8 +16,6 @@ with the section it was found in. Precedence: dataclass defaults < the file < co
 """
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ from typing import Any
 import yaml
 
 from kvyard.cluster.config import ClusterConfig
-from kvyard.config import EngineConfig, parse_bytes
+from kvyard.config import EngineConfig, check_fields, parse_bytes
 from kvyard.errors import ConfigError, InvalidRequestError
 from kvyard.server.repetition import RepetitionGuard, guard_setting
 from kvyard.structured.spec import JSON_WHITESPACE
@@ -143,36 +141,6 @@ def load_deploy_config(path: str | Path) -> DeployConfig:
             raise ConfigError(f"{path}: section {section!r} must be a mapping", param=section)
         setattr(config, section, check_fields(_SECTIONS[section], body, f"{path}: {section}"))
     return config
-
-
-def check_fields(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
-    """Reject unknown names and values of the wrong basic type; the dataclass checks ranges itself."""
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key, value in values.items():
-        if key not in known:
-            raise ConfigError(f"{where}: unknown key {key!r}; known keys: {', '.join(sorted(known))}", param=key)
-        if not _matches(value, hints[key]):
-            raise ConfigError(f"{where}: {key} has the wrong type: {value!r}", param=key)
-    return dict(values)
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    if hint is Any:
-        return True
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return any(_matches(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    return True  # a type YAML cannot spell (torch.dtype): leave it to the dataclass
 
 
 def build_configs(
