@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -217,7 +217,8 @@ def run_ray_bench(args: argparse.Namespace) -> int:
                 print(f"bench ray: round {i + 1}, kvyard up --ray", file=sys.stderr)
                 with simulated_cluster(args.replicas, args.cpus_per_replica) as cluster:
                     report["ray"].append(ray_cell(args, cluster.address, out_dir))
-        with simulated_cluster(args.replicas + 1, args.cpus_per_replica) as cluster:  # one node to spare
+        spare = simulated_cluster(args.replicas + 1, args.cpus_per_replica)  # one node to spare
+        with spare if {"recovery", "autoscale"} & set(phases) else nullcontext() as cluster:
             if "recovery" in phases:
                 print("bench ray: a node lost", file=sys.stderr)
                 with ray_deployment(args, cluster.address, out_dir / "up-recovery.log", "--replicas",
