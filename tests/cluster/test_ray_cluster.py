@@ -22,7 +22,7 @@ from kvyard.cluster.controller import RayController  # noqa: E402
 from kvyard.cluster.placement import PlacementError, reserve  # noqa: E402
 from tests.cluster.conftest import SLOT  # noqa: E402
 from tests.conftest import hf_greedy, hf_reference  # noqa: E402
-from tests.router.harness import errors_after_losing, running_router, start_streams  # noqa: E402
+from tests.router.harness import errors_after_losing, running_router, start_streams, workers_serving_until  # noqa: E402
 from tests.server.harness import wait_until  # noqa: E402
 
 SERVE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "2MiB", "--max-num-batched-tokens", "256",
@@ -145,12 +145,7 @@ def test_a_node_lost_under_16_streams(ray_cluster, colocated, tiny_path):
     assert replacement.node_id not in (victim.node_id, controller.replicas[0].node_id)
     assert wait_until(lambda: router.workers().get(replacement.url, {}).get("status") == "healthy", 30)
     assert victim.url not in router.workers()
-    served = set()
-    for i in range(6):
-        r = httpx.post(router.url + "/v1/completions", json={"prompt": f"Question {i}: why?", "max_tokens": 3},
-                       timeout=30, trust_env=False)
-        assert r.status_code == 200
-        served.add(r.headers["x-kvyard-worker"])
+    served = workers_serving_until(router.url, replacement.url)
     assert victim.url not in served and replacement.url in served
     print(f"lost replica marked dead after {marked:.2f} s; {cut}/16 streams cut")
 

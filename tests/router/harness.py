@@ -119,3 +119,19 @@ def errors_after_losing(runs: list[StreamedRun], lost: str, timeout: float = 60.
         else:
             assert "error" not in last and any(c.get("finish_reason") for c in last["choices"]), run.lines[-3:]
     return errors
+
+
+def workers_serving_until(router_url: str, wanted: str, attempts: int = 30) -> set[str]:
+    """Workers that served short completions, sent one by one until `wanted` serves one (or `attempts` run out).
+
+    With no prefix to follow, the kv policy breaks cost ties at random, so a fixed handful of requests can miss an
+    idle worker by luck; the loop is bounded, not the luck."""
+    served: set[str] = set()
+    for i in range(attempts):
+        r = httpx.post(router_url + "/v1/completions", json={"prompt": f"Question {i}: why?", "max_tokens": 2},
+                       timeout=30, trust_env=False)
+        assert r.status_code == 200, r.text
+        served.add(r.headers["x-kvyard-worker"])
+        if wanted in served:
+            break
+    return served

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.router.harness import errors_after_losing, start_streams
+from tests.router.harness import errors_after_losing, start_streams, workers_serving_until
 
 SYSTEM = "You are a careful assistant. Paged attention keeps the KV cache in fixed-size blocks. " * 3
 
@@ -208,8 +208,7 @@ def test_killing_a_worker_mid_run(cluster, tiny_path):
                                 for pid in children(cluster.proc.pid)), 3)  # the supervisor looks every 0.5 s
     assert wait(lambda: cluster.workers()[victim]["status"] == "healthy", 60), cluster.workers()[victim]
     assert cluster.worker_pid(victim) != victim_pid
-    served = {httpx.post(cluster.url + "/v1/completions", json={"prompt": f"Story {i}:", "max_tokens": 2},
-                         timeout=30, trust_env=False).headers["x-kvyard-worker"] for i in range(8)}
+    served = workers_serving_until(cluster.url, victim)
     assert victim in served, served
 
 
