@@ -55,6 +55,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
+    # Stall-free batching: while requests decode, a step takes only the prompt tokens that keep its predicted
+    # time within this many milliseconds (kvyard/engine/step_cost.py). None: set from the measured cost of a
+    # full batch of decodes (servers) or off (the LLM class); 0: off, prompt chunks fill the token budget.
+    max_itl_ms: float | None = None
     enable_prefix_caching: bool = True  # reuse KV of prompt prefixes seen before
     max_model_len: int | None = None  # default: the model's context window
     num_threads: int | None = None  # CPU threads for torch; default: all cores
@@ -88,6 +92,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", param=name)
+        if self.max_itl_ms is not None and self.max_itl_ms < 0:
+            raise InvalidRequestError("max_itl_ms must be >= 0 (0 turns the inter-token target off)",
+                                      param="max_itl_ms")
         self._check_speculative()
 
     @property
@@ -95,11 +102,11 @@ class EngineConfig:
         """Tokens per forward pass: also the most rows any matmul of a step sees."""
         return self.max_num_batched_tokens or ONLINE_TOKEN_BUDGET
 
-    def with_token_budget(self, default: int) -> "EngineConfig":
-        """This config, with `default` as its token budget when none was chosen."""
-        if self.max_num_batched_tokens is not None:
-            return self
-        return replace(self, max_num_batched_tokens=default)
+    def offline(self) -> "EngineConfig":
+        """This config with the LLM class's defaults where none was chosen: the offline token budget, and no
+        inter-token target, since no one watches the streams of a batch job."""
+        return replace(self, max_num_batched_tokens=self.max_num_batched_tokens or OFFLINE_TOKEN_BUDGET,
+                       max_itl_ms=0 if self.max_itl_ms is None else self.max_itl_ms)
 
     def _check_speculative(self) -> None:
         if self.speculative_model and self.speculative_method is None:

@@ -6,7 +6,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvyard.config import OFFLINE_TOKEN_BUDGET, EngineConfig
+from kvyard.config import EngineConfig
 from kvyard.engine.llm_engine import LLMEngine
 from kvyard.outputs import RequestOutput
 from kvyard.sampling_params import SamplingParams
@@ -18,7 +18,7 @@ class LLM:
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, **engine_options: Any):
         if config is None:
             config = EngineConfig(**engine_options) if model is None else EngineConfig(model=model, **engine_options)
-        self.engine = LLMEngine(config.with_token_budget(OFFLINE_TOKEN_BUDGET))
+        self.engine = LLMEngine(config.offline())
         self.tokenizer = self.engine.tokenizer
 
     def generate(

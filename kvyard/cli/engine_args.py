@@ -15,6 +15,8 @@ _HELP = {
     "max_num_batched_tokens": "token budget of one forward pass (decodes + prefill chunks)",
     "max_num_seqs": "most requests running at once",
     "enable_chunked_prefill": "split long prompts across steps",
+    "max_itl_ms": "inter-token target while requests decode: a step takes only the prompt tokens that fit it "
+                  "(default: twice a full batch of decodes, by the measured step cost; 0: off)",
     "enable_prefix_caching": "reuse the KV cache of prompt prefixes seen before",
     "max_model_len": "context limit (default: the model's)",
     "num_threads": "CPU threads for torch (default: all cores)",
@@ -31,6 +33,10 @@ _HELP = {
     "ngram_max": "prompt lookup: longest tail n-gram to match",
 }
 
+_INTS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_threads",
+         "num_speculative_tokens", "speculative_max_batch", "ngram_min", "ngram_max")
+_KINDS: dict[str, type] = {**dict.fromkeys(_INTS, int), "max_itl_ms": float}
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
@@ -40,10 +46,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP.get(f.name))
         else:
-            kind = int if f.name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-                                     "num_threads", "num_speculative_tokens", "speculative_max_batch",
-                                     "ngram_min", "ngram_max") else str
-            g.add_argument(flag, type=kind, default=default, help=_HELP.get(f.name))
+            g.add_argument(flag, type=_KINDS.get(f.name, str), default=default, help=_HELP.get(f.name))
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:

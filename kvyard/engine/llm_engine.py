@@ -12,6 +12,7 @@ import torch
 
 from kvyard.config import EngineConfig
 from kvyard.engine.block_manager import BlockManager
+from kvyard.engine.calibrate import calibrate_step_cost
 from kvyard.engine.host_memory import keep_freed_memory
 from kvyard.engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from kvyard.engine.kv_handoff import HeldKV, select_blocks
@@ -96,6 +97,8 @@ class LLMEngine:
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
         self.held: dict[str, HeldKV] = {}  # KV of finished prefill-only requests, until pulled (kv_handoff)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "aborted": 0}
+        if cfg.max_itl_ms != 0 and cfg.enable_chunked_prefill:  # stall-free batching predicts from step one
+            calibrate_step_cost(self)
 
     def _weights(self, ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         if not self.cfg.quantization:
@@ -198,6 +201,7 @@ class LLMEngine:
     # ---- stepping ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         outputs, self._pending = self._pending, []
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # drafts in req.spec_token_ids, budgeted by schedule()
@@ -232,6 +236,8 @@ class LLMEngine:
             outputs.append(self._output(tracked))
         for req, rows in verifying:
             outputs.append(self._verify(req, rows, now))
+        # The whole step, as a running stream waits for it: drafting, scheduling, the forward pass, sampling.
+        self.scheduler.cost.observe(batch.shape, time.perf_counter() - started)
         return outputs
 
     def _verify(self, req: Request, rows: torch.Tensor, now: float) -> RequestOutput:

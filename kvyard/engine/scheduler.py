@@ -3,6 +3,11 @@
 Every request is just "tokens with KV" and "tokens without"; a step gives each scheduled request some
 of the missing ones. A decode is one token, a prefill chunk many, a resumed request all of its prompt
 and output again. Requests that reach the end of their tokens get a new token sampled.
+
+Stall-free batching (Sarathi-Serve): while requests decode, a step takes only the prompt tokens that keep
+its predicted time (kvyard/engine/step_cost.py) within the inter-token target, so a running stream never
+waits behind a big prefill chunk. The first prompt chunk of a step always gets at least a block, so prompts
+keep moving however many decodes run.
 """
 
 from collections import deque
@@ -11,6 +16,11 @@ from dataclasses import dataclass, field
 from kvyard.config import EngineConfig
 from kvyard.engine.block_manager import BlockManager
 from kvyard.engine.request import Request, Status
+from kvyard.engine.step_cost import StepCostModel, StepShape
+
+# With no target set, prefill may at most double the time of a step that decodes a full batch
+# (max_num_seqs requests at the running ones' mean context): the measured cost model sets the target.
+AUTO_TARGET_OVER_FULL_DECODE = 2.0
 
 
 @dataclass
@@ -18,10 +28,12 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    shape: StepShape = field(default_factory=StepShape)  # what the step costs: see step_cost.py
 
     def add(self, req: Request, n: int) -> None:
         self.requests.append(req)
         self.num_new_tokens.append(n)
+        self.shape.add(req.num_computed_tokens, n)
 
     @property
     def total_tokens(self) -> int:
@@ -36,6 +48,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.cost = StepCostModel()  # the engine reports each step's time to it
+        self.num_limited_chunks = 0  # prompt chunks the inter-token target shortened
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -57,6 +71,12 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.token_budget
+        decodes = StepShape()  # the running streams' next tokens (and drafts): what a prompt chunk must not stall
+        for req in self.running:
+            if req.num_tokens - req.num_computed_tokens == 1:
+                decodes.add(req.num_computed_tokens, 1 + len(req.spec_token_ids))
+        limit = self._step_limit(decodes)
+        planned = StepShape(decodes.tokens, decodes.attended)  # decodes, plus the prompt chunks taken so far
         # Running requests first, oldest first; the newest is preempted when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
@@ -64,6 +84,12 @@ class Scheduler:
             missing = req.num_tokens - req.num_computed_tokens
             # A speculating request also verifies its drafts; drafts beyond the budget are dropped.
             n = min(missing + len(req.spec_token_ids), budget)
+            if missing > 1:  # a prompt (or a preempted request's recompute) still being prefilled
+                n = self._prompt_chunk(req.num_computed_tokens, n, limit, planned, decodes)
+                if n == 0:
+                    i += 1
+                    continue
+                planned.add(req.num_computed_tokens, n)
             req.spec_token_ids = req.spec_token_ids[: max(0, n - missing)]
             if not self._make_room(req, req.num_computed_tokens + n, batch):
                 continue  # req itself was preempted; the list shrank
@@ -82,7 +108,8 @@ class Scheduler:
                 if not self.cfg.enable_chunked_prefill and batch.requests:
                     break  # whole prompts only: wait for a step with room
                 n = n if not self.cfg.enable_chunked_prefill else budget
-            if not self.blocks.can_fit(req, start + n, hits):
+            n = self._prompt_chunk(start, n, limit, planned, decodes)
+            if n == 0 or not self.blocks.can_fit(req, start + n, hits):
                 break
             self.waiting.popleft()
             self.blocks.admit(req, start + n, hits)
@@ -90,8 +117,33 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             batch.add(req, n)
+            planned.add(start, n)
             budget -= n
         return batch
+
+    def _step_limit(self, decodes: StepShape) -> float | None:
+        """The most seconds this step may take; None when nothing limits it: no stream decoding, no
+        chunking, the target turned off (0), or too few steps timed yet to predict one."""
+        target = self.cfg.max_itl_ms
+        if not decodes.tokens or target == 0 or not self.cfg.enable_chunked_prefill or not self.cost.ready:
+            return None
+        if target is not None:
+            return target / 1000
+        full = self.cfg.max_num_seqs
+        return AUTO_TARGET_OVER_FULL_DECODE * self.cost.predict(StepShape(full, full * decodes.attended // decodes.tokens))
+
+    def _prompt_chunk(self, start: int, n: int, limit: float | None, planned: StepShape, decodes: StepShape) -> int:
+        """How many of a prompt's next `n` tokens, from position `start`, fit in this step's time limit."""
+        if limit is None:
+            return n
+        fit = self.cost.fit_tokens(planned, start, n, limit)
+        if fit < n:
+            bs = self.blocks.block_size
+            fit = fit // bs * bs  # whole blocks, so the chunk's KV is committed (and shareable) at once
+            if planned.tokens == decodes.tokens:
+                fit = max(fit, min(n, bs))  # the step's first prompt chunk: prompts always move
+            self.num_limited_chunks += fit < n
+        return fit
 
     def _make_room(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
         while not self.blocks.can_fit(req, num_tokens):

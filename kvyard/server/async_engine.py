@@ -71,6 +71,7 @@ class EngineStats:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     num_preemptions: int = 0
+    num_limited_chunks: int = 0  # prompt chunks shortened to keep running streams within the inter-token target
     prefix_cache_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hit_tokens: int = 0  # of which were found, so not prefilled again
     num_cached_blocks: int = 0
@@ -419,6 +420,7 @@ class AsyncEngine:
             num_free_blocks=blocks.num_free_blocks,
             num_total_blocks=blocks.num_blocks,
             num_preemptions=eng.scheduler.num_preemptions,
+            num_limited_chunks=eng.scheduler.num_limited_chunks,
             prefix_cache_queried_tokens=blocks.queried_tokens,
             prefix_cache_hit_tokens=blocks.hit_tokens,
             num_cached_blocks=blocks.num_cached_blocks,

@@ -35,6 +35,9 @@ class _EngineCollector(Collector):
                                 value=s.num_held_kv)
         yield CounterMetricFamily("kvyard_num_preemptions", "Requests preempted to free KV blocks",
                                   value=s.num_preemptions)
+        yield CounterMetricFamily("kvyard_prefill_chunks_limited",
+                                  "Prompt chunks shortened so that running streams keep their inter-token target",
+                                  value=s.num_limited_chunks)
         # Hit rate in tokens = hits / queries, taken over any window with rate() on both counters.
         yield CounterMetricFamily("kvyard_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                   value=s.prefix_cache_queried_tokens)

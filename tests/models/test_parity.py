@@ -24,6 +24,8 @@ MODES = {
     "chunked": dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
     "preempting": dict(enable_chunked_prefill=True, max_num_batched_tokens=24, block_size=4,
                        kv_cache_memory=24 * 4 * 2 * 2 * 2 * 16 * 4),  # 24 blocks of 4 tokens
+    # Prompts admitted while others decode, in one-block chunks: no step can meet a 1 µs inter-token target.
+    "stall-free": dict(max_itl_ms=1e-3),
 }
 
 
@@ -36,6 +38,13 @@ def _token_prompts(llm: LLM) -> list[list[int]]:
 def test_greedy_tokens_match_transformers(tiny_checkpoint, arch, tied, mode):
     path = tiny_checkpoint(arch, tied)
     llm = LLM(str(path), dtype="float32", **MODES[mode])
+    if mode == "stall-free":
+        # A stream already decoding when the prompts arrive, after a long prefill step and short decode steps
+        # the cost model fits.
+        llm.engine.add_request(list(range(1, 300)), SamplingParams(max_tokens=6 * NEW_TOKENS, ignore_eos=True))
+        for _ in range(20):
+            llm.engine.step()
+        assert llm.engine.scheduler.cost.ready
     prompts = _token_prompts(llm)
     outs = llm.generate(prompts, GREEDY)
     ref = hf_reference(path)
@@ -43,6 +52,8 @@ def test_greedy_tokens_match_transformers(tiny_checkpoint, arch, tied, mode):
         assert out.outputs[0].token_ids == hf_greedy(ref, prompt, NEW_TOKENS)
     if mode == "preempting":
         assert llm.engine.scheduler.num_preemptions > 0, "the tiny pool should force preemption"
+    if mode == "stall-free":
+        assert llm.engine.scheduler.num_limited_chunks > 0, "no prompt chunk was limited"
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
 
 

@@ -1,0 +1,96 @@
+"""Stall-free batching: with streams decoding, a step takes only the prompt tokens that fit the inter-token target."""
+
+import random
+
+from kvyard.engine.step_cost import StepCostModel, StepShape
+from tests.engine.test_scheduler import make, request, run_step
+from tests.engine.test_step_cost import synthetic_step
+
+BLOCK = 16
+
+
+def scheduler(**cfg):
+    """A scheduler whose cost model has learned the synthetic law (8 ms + 0.3 ms a token + attention)."""
+    s = make(num_blocks=4096, block_size=BLOCK, **cfg)
+    rng = random.Random(0)
+    s.cost = StepCostModel()
+    for _ in range(64):
+        s.cost.observe(*synthetic_step(rng.choice([1, 16, 128, 512]), rng.randrange(0, 1000), rng))
+    return s
+
+
+def prompt_tokens(batch) -> int:
+    return sum(n for r, n in zip(batch.requests, batch.num_new_tokens, strict=True) if n > 1)
+
+
+def start_streams(s, count: int, prompt_len: int = 20) -> list:
+    reqs = [request(f"stream{i}", prompt_len) for i in range(count)]
+    for r in reqs:
+        s.add(r)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
+        run_step(s)
+    return reqs
+
+
+def test_prompt_chunks_keep_decoding_steps_within_the_target():
+    s = scheduler(max_itl_ms=40)
+    start_streams(s, 16)
+    long = request("long", 2000)
+    s.add(long)
+    steps = 0
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        batch = run_step(s)
+        steps += 1
+        assert sum(n == 1 for n in batch.num_new_tokens) >= 16, "a stream skipped a step"
+        assert s.cost.predict(batch.shape) <= 0.040 or prompt_tokens(batch) <= BLOCK
+        assert prompt_tokens(batch) % BLOCK == 0 or long.num_computed_tokens == long.num_prompt_tokens
+        assert steps < 200, "the long prompt stalled"
+    # 8 ms + 16 decodes leave about 95 prompt tokens a step, in whole blocks: 80.
+    assert steps == -(-2000 // 80) and s.num_limited_chunks == steps - 1
+
+
+def test_without_a_target_chunks_fill_the_token_budget():
+    s = scheduler(max_itl_ms=0)
+    start_streams(s, 16)
+    s.add(request("long", 2000))
+    assert prompt_tokens(run_step(s)) == s.token_budget - 16
+    assert s.num_limited_chunks == 0
+
+
+def test_no_limit_while_nothing_decodes():
+    """A step with no running stream stalls no one: the prompt takes the whole budget."""
+    s = scheduler(max_itl_ms=10)
+    s.add(request("alone", 2000))
+    assert prompt_tokens(run_step(s)) == s.token_budget
+
+
+def test_no_limit_until_the_cost_model_has_a_fit():
+    s = make(num_blocks=4096, block_size=BLOCK, max_itl_ms=10)
+    start_streams(s, 4)
+    s.add(request("long", 2000))
+    assert not s.cost.ready and prompt_tokens(run_step(s)) == s.token_budget - 4
+
+
+def test_prompts_always_move_even_when_decodes_alone_pass_the_target():
+    s = scheduler(max_itl_ms=5)  # under the 8 ms a step costs with nothing in it
+    start_streams(s, 8)
+    waiting = [request(f"w{i}", 100) for i in range(3)]
+    for r in waiting:
+        s.add(r)
+    steps = 0
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in waiting) and steps < 100:
+        assert prompt_tokens(run_step(s)) <= BLOCK  # one block, to one prompt, per step
+        steps += 1
+    # Bounded waits: each prompt takes ceil(100 / 16) = 7 steps, one after another.
+    assert steps == 3 * 7
+
+
+def test_the_default_target_is_twice_a_full_batch_of_decodes():
+    s = scheduler(max_num_seqs=32)
+    streams = start_streams(s, 4)
+    s.add(request("long", 2000))
+    batch = run_step(s)
+    context = streams[0].num_computed_tokens - 1  # where each stream's decoded token was
+    full = StepShape(32, 32 * (context + 1))
+    limit = 2 * s.cost.predict(full)
+    assert s.cost.predict(batch.shape) <= limit < s.cost.predict(batch.shape.plus(2000, BLOCK))
