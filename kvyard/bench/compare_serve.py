@@ -136,8 +136,6 @@ def run_compare(args: argparse.Namespace) -> int:
     try:
         systems = parse_systems(args.system)
         cfg = config_from_args(args, f"http://127.0.0.1:{args.port}")
-        if len(cfg.loads) != 1:
-            raise BenchError("serve-compare runs one load level; run it once per --concurrency instead of --sweep")
     except BenchError as e:
         print(f"kvyard bench serve-compare: error: {e}", file=sys.stderr)
         return 2
@@ -167,13 +165,30 @@ def run_compare(args: argparse.Namespace) -> int:
                 print(f"round {rnd + 1}: {name}: {row['output_throughput']:.1f} output tok/s, "
                       f"{row['completed']} ok, {row['failed']} failed, tokens match: {row['output_tokens_match']}, "
                       f"TTFT p50 {_ms(row['ttft_p50_ms'])}, ITL p50 {_ms(row['itl_p50_ms'])}", file=sys.stderr)
-    result = summarize_rounds(systems, rows, cfg.loads[0].describe())
-    result["workload"] = report["workload"]
-    result["request"] = report["request"]
+    loads = [load.describe() for load in cfg.loads]
+    result = {"benchmark": "serve-compare", "systems": systems,
+              "loads": [summarize_rounds(systems, {n: [r for r in rows[n] if r["load"] == load] for n in names}, load)
+                        for load in loads],
+              "workload": report["workload"], "request": report["request"]}
     text = json.dumps(result, indent=2)
     (out_dir / "report.json").write_text(text + "\n")
     print(text)
+    print_ratios(result["loads"], names, sys.stderr)
     return 0
+
+
+def print_ratios(loads: list[dict[str, Any]], names: list[str], out: Any) -> None:
+    """One line per load and system: median throughput, ITL p99, TTFT p99, and the first system's ratio."""
+    base = names[0]
+    for entry in loads:
+        load = entry["load"]
+        level = f"c={load['concurrency']}" if load.get("mode") == "closed" else f"rate={load.get('rate')}"
+        for name in names:
+            m = entry["median"][name]
+            ratio = "" if name == base else \
+                f", {base}/{name} {entry['ratios'][f'{base}/{name}']['output_throughput_of_medians']:.2f}x"
+            print(f"{level} {name}: {m['output_throughput']:.1f} tok/s, ITL p99 {_ms(m.get('itl_p99_ms'))}, "
+                  f"TTFT p99 {_ms(m.get('ttft_p99_ms'))}{ratio}", file=out)
 
 
 def summarize_rounds(systems: dict[str, str], rows: dict[str, list[dict[str, Any]]], load: dict[str, Any]
@@ -191,5 +206,4 @@ def summarize_rounds(systems: dict[str, str], rows: dict[str, list[dict[str, Any
                                              if med[other]["output_throughput"] else None),
             "output_throughput_per_round": [round(r, 3) for r in per_round],
         }
-    return {"benchmark": "serve-compare", "systems": systems, "load": load, "median": med,
-            "ratios": ratios, "rounds": rows}
+    return {"load": load, "median": med, "ratios": ratios, "rounds": rows}

@@ -63,6 +63,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--timeout", type=float, default=300.0, help="seconds each request may take")
     r.add_argument("--warmup", type=int, default=1, help="short requests sent before measuring")
     r.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    r.add_argument("--keep-alive", action=argparse.BooleanOptionalAction, default=False,
+                   help="reuse connections between requests (default: a new one per request)")
     r.add_argument("--percentiles", type=_floats, default=[50.0, 90.0, 99.0])
     r.add_argument("--slo-ttft-ms", type=float, default=None)
     r.add_argument("--slo-tpot-ms", type=float, default=None)
@@ -120,7 +122,7 @@ def config_from_args(args: argparse.Namespace, url: str) -> ServeBenchConfig:
         url=url, workload=workload, loads=loads_from_args(args), model=args.model, tokenizer=args.tokenizer,
         temperature=args.temperature, ignore_eos=args.ignore_eos, timeout=args.timeout, warmup=args.warmup,
         percentiles=args.percentiles, slos=SLOs(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms),
-        api_key=args.api_key, extra_body=args.extra_body, progress=not args.no_progress,
+        api_key=args.api_key, extra_body=args.extra_body, progress=not args.no_progress, keep_alive=args.keep_alive,
     )
 
 

@@ -1,14 +1,16 @@
 """One serving benchmark: a workload offered to a server under one or more loads, summarized.
 
 `run_benchmark` is what `kvyard bench serve` and `kvyard bench serve-compare` call; it returns the
-JSON-ready report. A sweep is several closed-loop runs over the same sessions, one per concurrency.
+JSON-ready report. A sweep is several closed-loop runs, one per concurrency, each with fresh prompts (the
+workload's seed plus the load's index; the warm-up's seed is one less), so no level finds the prompts of
+another in a prefix cache.
 """
 
 import asyncio
 import ipaddress
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -38,6 +40,9 @@ class ServeBenchConfig:
     extra_body: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
     per_request: bool = True  # keep a per-request table in the report
+    # A new connection per request, as a fleet of distinct clients makes them; llama-server closes a kept-alive
+    # connection after a stream anyway, so reusing them would favour the servers that keep them.
+    keep_alive: bool = False
 
 
 class BenchError(Exception):
@@ -90,20 +95,27 @@ async def _warmup(client: httpx.AsyncClient, sessions: list[Session], count: int
             raise BenchError(f"the warm-up request failed: {results[0].error}")
 
 
-async def _run(cfg: ServeBenchConfig, sessions: list[Session]) -> dict[str, Any]:
+def sessions_for_load(cfg: ServeBenchConfig, tokenizer: Any, index: int) -> list[Session]:
+    """The prompts of load `index` (-1: the warm-up): the workload drawn with its seed plus `index`."""
+    return build_sessions(replace(cfg.workload, seed=cfg.workload.seed + index), tokenizer)
+
+
+async def _run(cfg: ServeBenchConfig, tokenizer: Any) -> dict[str, Any]:
     base = check_loopback(cfg.url)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    # One connection per request in flight; trust_env=False so no proxy settings reroute loopback.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    # A connection per request in flight, kept (or not) between requests; trust_env=False so no proxy
+    # settings reroute loopback.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256 if cfg.keep_alive else 0)
     timeout = httpx.Timeout(cfg.timeout, connect=min(cfg.timeout, 30.0))
     async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits, timeout=timeout,
                                  trust_env=False) as client:
         model = cfg.model or await discover_model(client)
         opts = RequestOptions(model=model, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos,
                               timeout=cfg.timeout, extra_body=cfg.extra_body)
-        await _warmup(client, sessions, cfg.warmup, opts)
+        await _warmup(client, sessions_for_load(cfg, tokenizer, -1), cfg.warmup, opts)
         runs = []
-        for load in cfg.loads:
+        for index, load in enumerate(cfg.loads):
+            sessions = sessions_for_load(cfg, tokenizer, index)
             total = sum(len(s.turns) for s in sessions)
             desc = f"c={load.concurrency}" if load.mode == "closed" else f"rate={load.rate:g}/s"
             with tqdm(total=total, desc=desc, unit="req", disable=not cfg.progress, leave=False) as bar:
@@ -122,10 +134,10 @@ def run_benchmark(cfg: ServeBenchConfig) -> dict[str, Any]:
     """Run every load of `cfg` in turn and return the report (raises BenchError if the server is unusable)."""
     check_loopback(cfg.url)
     tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
-    sessions = build_sessions(cfg.workload, tokenizer)
+    sessions = sessions_for_load(cfg, tokenizer, 0)
     started = time.time()
     try:
-        body = asyncio.run(_run(cfg, sessions))
+        body = asyncio.run(_run(cfg, tokenizer))
     except httpx.HTTPError as e:
         raise BenchError(f"cannot talk to {cfg.url}: {type(e).__name__}: {e}") from e
     return {
@@ -139,7 +151,7 @@ def run_benchmark(cfg: ServeBenchConfig) -> dict[str, Any]:
             "intended_prompt_tokens": sum(t.prompt_tokens for s in sessions for t in s.turns),
         },
         "request": {"temperature": cfg.temperature, "ignore_eos": cfg.ignore_eos, "timeout_s": cfg.timeout,
-                    "warmup": cfg.warmup, "extra_body": cfg.extra_body},
+                    "warmup": cfg.warmup, "extra_body": cfg.extra_body, "keep_alive": cfg.keep_alive},
         "percentiles": cfg.percentiles,
         "client": {"platform": platform.platform(), "python": platform.python_version()},
     }

@@ -15,7 +15,13 @@ from kvyard.bench.serve import config_from_args, loads_from_args
 from kvyard.bench.serve_client import stream_request
 from kvyard.bench.serve_load import LoadSpec
 from kvyard.bench.serve_metrics import SLOs, percentile
-from kvyard.bench.serve_run import BenchError, ServeBenchConfig, check_loopback, run_benchmark
+from kvyard.bench.serve_run import (
+    BenchError,
+    ServeBenchConfig,
+    check_loopback,
+    run_benchmark,
+    sessions_for_load,
+)
 from kvyard.bench.serve_workloads import WorkloadSpec, build_sessions
 from kvyard.cli.main import build_parser, main
 from kvyard.server.async_engine import AsyncEngine
@@ -192,6 +198,14 @@ def test_percentile_matches_numpy():
         assert percentile(values, p) == pytest.approx(float(np.percentile(values, p)))
 
 
+def test_every_load_and_the_warm_up_get_fresh_prompts():
+    cfg = ServeBenchConfig(url="http://127.0.0.1:1", workload=WorkloadSpec("random", num_requests=4, seed=3),
+                           loads=[])
+    prompts = [[t.content for sess in sessions_for_load(cfg, None, i) for t in sess.turns] for i in (-1, 0, 1)]
+    assert len({p for load in prompts for p in load}) == 12  # no prompt repeats across the three
+    assert prompts[1] == [s.turns[0].content for s in build_sessions(WorkloadSpec("random", num_requests=4, seed=3))]
+
+
 def test_compare_summary():
     with pytest.raises(BenchError):
         parse_systems(["a=serve --port 1"])  # no {port}
@@ -222,14 +236,17 @@ def test_serve_compare_starts_and_stops_each_server(tiny_path, tmp_path):
     out = tmp_path / "cmp"
     rc = main(["bench", "serve-compare", "--system", f"a={cmd}", "--system", f"b={cmd}", "--rounds", "1",
                "--port", str(port), "--num-requests", "4", "--input-len", "8", "--output-len", "3",
-               "--concurrency", "2", "--no-progress", "--out-dir", str(out)])
+               "--sweep", "1,2", "--no-progress", "--out-dir", str(out)])
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["load"] == {"mode": "closed", "concurrency": 2}
+    assert [entry["load"] for entry in report["loads"]] == [{"mode": "closed", "concurrency": c} for c in (1, 2)]
+    for entry in report["loads"]:
+        for name in ("a", "b"):
+            assert entry["median"][name]["completed"] == 4 and entry["median"][name]["output_tokens_match"] is True
+        assert len(entry["ratios"]["a/b"]["output_throughput_per_round"]) == 1
     for name in ("a", "b"):
-        assert report["median"][name]["completed"] == 4 and report["median"][name]["output_tokens_match"] is True
         assert (out / f"{name}-round1.json").exists() and (out / f"{name}-round1.log").exists()
-    assert len(report["ratios"]["a/b"]["output_throughput_per_round"]) == 1
+        assert json.loads((out / f"{name}-round1.json").read_text())["request"]["keep_alive"] is False
     with pytest.raises(OSError):  # both servers are gone
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
 
