@@ -57,7 +57,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # Stall-free batching: while requests decode, a step takes only the prompt tokens that keep its predicted
     # time within this many milliseconds (kvyard/engine/step_cost.py). None: set from the measured cost of a
-    # step's decodes alone (servers) or off (the LLM class); 0: off, prompt chunks fill the token budget.
+    # full batch of decodes (servers) or off (the LLM class); 0: off, prompt chunks fill the token budget.
     max_itl_ms: float | None = None
     enable_prefix_caching: bool = True  # reuse KV of prompt prefixes seen before
     max_model_len: int | None = None  # default: the model's context window

@@ -16,7 +16,7 @@ _HELP = {
     "max_num_seqs": "most requests running at once",
     "enable_chunked_prefill": "split long prompts across steps",
     "max_itl_ms": "inter-token target while requests decode: a step takes only the prompt tokens that fit it "
-                  "(default: twice the step's decodes alone, by the measured step cost; 0: off)",
+                  "(default: twice a full batch of decodes, by the measured step cost; 0: off)",
     "enable_prefix_caching": "reuse the KV cache of prompt prefixes seen before",
     "max_model_len": "context limit (default: the model's)",
     "num_threads": "CPU threads for torch (default: all cores)",

@@ -18,9 +18,9 @@ from kvyard.engine.block_manager import BlockManager
 from kvyard.engine.request import Request, Status
 from kvyard.engine.step_cost import StepCostModel, StepShape
 
-# With no target set, a step's prompt chunks may at most double the predicted time of its decodes alone, so
-# the target follows the load: tight while few streams run, looser when many share the step anyway.
-AUTO_TARGET_OVER_DECODES = 2.0
+# With no target set, prefill may at most double the time of a step that decodes a full batch
+# (max_num_seqs requests at the running ones' mean context): the measured cost model sets the target.
+AUTO_TARGET_OVER_FULL_DECODE = 2.0
 
 
 @dataclass
@@ -129,7 +129,8 @@ class Scheduler:
             return None
         if target is not None:
             return target / 1000
-        return AUTO_TARGET_OVER_DECODES * self.cost.predict(decodes)
+        full = self.cfg.max_num_seqs
+        return AUTO_TARGET_OVER_FULL_DECODE * self.cost.predict(StepShape(full, full * decodes.attended // decodes.tokens))
 
     def _prompt_chunk(self, start: int, n: int, limit: float | None, planned: StepShape, decodes: StepShape) -> int:
         """How many of a prompt's next `n` tokens, from position `start`, fit in this step's time limit."""

@@ -85,13 +85,12 @@ def test_prompts_always_move_even_when_decodes_alone_pass_the_target():
     assert steps == 3 * 7
 
 
-def test_the_default_target_is_twice_the_steps_decodes():
+def test_the_default_target_is_twice_a_full_batch_of_decodes():
     s = scheduler(max_num_seqs=32)
     streams = start_streams(s, 4)
     s.add(request("long", 2000))
-    decodes = StepShape()
-    for r in streams:
-        decodes.add(r.num_computed_tokens, 1)
-    limit = 2 * s.cost.predict(decodes)
     batch = run_step(s)
+    context = streams[0].num_computed_tokens - 1  # where each stream's decoded token was
+    full = StepShape(32, 32 * (context + 1))
+    limit = 2 * s.cost.predict(full)
     assert s.cost.predict(batch.shape) <= limit < s.cost.predict(batch.shape.plus(2000, BLOCK))
