@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvyard.bench.route import add_route_bench_parser
     from kvyard.bench.serve import add_serve_bench_parsers
     from kvyard.bench.spec import add_spec_bench_parser
+    from kvyard.bench.step_profile import add_step_profile_parser
     from kvyard.bench.structured import add_structured_bench_parser
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_bench_parser(bench)
     add_disagg_bench_parser(bench)
     add_kv_transfer_bench_parser(bench)
+    add_step_profile_parser(bench)
     return parser
 
 

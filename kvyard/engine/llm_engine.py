@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch.profiler import record_function
 
 from kvyard.config import EngineConfig
 from kvyard.engine.block_manager import BlockManager
@@ -96,7 +97,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
         self.held: dict[str, HeldKV] = {}  # KV of finished prefill-only requests, until pulled (kv_handoff)
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "aborted": 0}
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "aborted": 0, "step_seconds": 0.0}
         if cfg.max_itl_ms != 0 and cfg.enable_chunked_prefill:  # stall-free batching predicts from step one
             calibrate_step_cost(self)
 
@@ -205,18 +206,22 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # drafts in req.spec_token_ids, budgeted by schedule()
-        batch = self.scheduler.schedule()
+        with record_function("kvyard.schedule"):  # phases, for `kvyard bench step-profile`
+            batch = self.scheduler.schedule()
         if not batch.requests:
             return outputs
         try:
-            step = self.runner.prepare(batch)
-            logits = self.runner.execute(step)
+            with record_function("kvyard.prepare"):
+                step = self.runner.prepare(batch)
+            with record_function("kvyard.forward"):
+                logits = self.runner.execute(step)
             if step.prompt_rows:  # rows past the sampled ones: prompt positions to score
                 sampled_rows = sum(step.num_rows)
                 record_prompt_logprobs(logits[sampled_rows:], step.prompt_rows)
                 logits = logits[:sampled_rows]
-            plain, plain_logits, verifying = split_logits(step.sampled, step.num_rows, logits)
-            result = sample(plain_logits, plain)
+            with record_function("kvyard.sample"):
+                plain, plain_logits, verifying = split_logits(step.sampled, step.num_rows, logits)
+                result = sample(plain_logits, plain)
         except Exception:
             # A failure inside the model or sampler ends this step's requests, never the engine.
             log.exception("step failed; finishing its %d requests with an error", len(batch.requests))
@@ -230,14 +235,17 @@ class LLMEngine:
             req.num_computed_tokens += n - len(req.spec_token_ids)
             self.blocks.commit(req)
         now = time.monotonic()
-        for req, token, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
-            tracked = self._tracked[req.request_id]
-            self._emit(tracked, token, logprob, now)
-            outputs.append(self._output(tracked))
-        for req, rows in verifying:
-            outputs.append(self._verify(req, rows, now))
+        with record_function("kvyard.emit"):  # detokenization, stop checks, outputs
+            for req, token, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
+                tracked = self._tracked[req.request_id]
+                self._emit(tracked, token, logprob, now)
+                outputs.append(self._output(tracked))
+            for req, rows in verifying:
+                outputs.append(self._verify(req, rows, now))
         # The whole step, as a running stream waits for it: drafting, scheduling, the forward pass, sampling.
-        self.scheduler.cost.observe(batch.shape, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.scheduler.cost.observe(batch.shape, seconds)
+        self.stats["step_seconds"] += seconds
         return outputs
 
     def _verify(self, req: Request, rows: torch.Tensor, now: float) -> RequestOutput:

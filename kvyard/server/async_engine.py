@@ -76,6 +76,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0  # of which were found, so not prefilled again
     num_cached_blocks: int = 0
     num_steps: int = 0
+    step_seconds: float = 0.0  # time inside engine steps: against wall time, how busy the engine thread is
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_open_requests: int = 0  # accepted requests whose final output has not been delivered yet
@@ -425,6 +426,7 @@ class AsyncEngine:
             prefix_cache_hit_tokens=blocks.hit_tokens,
             num_cached_blocks=blocks.num_cached_blocks,
             num_steps=stats["steps"],
+            step_seconds=stats["step_seconds"],
             prompt_tokens=stats["prompt_tokens"],
             generation_tokens=stats["generation_tokens"],
             num_open_requests=len(self._sinks),

@@ -57,6 +57,8 @@ class _EngineCollector(Collector):
                                   value=s.spec_emitted_tokens)
         yield CounterMetricFamily("kvyard_spec_drafter_seconds", "Time spent drafting", value=s.spec_drafter_seconds)
         yield CounterMetricFamily("kvyard_num_steps", "Engine steps", value=s.num_steps)
+        yield CounterMetricFamily("kvyard_engine_step_seconds", "Time inside engine steps (the rest of the engine "
+                                  "thread's time goes to HTTP, queues and the GIL)", value=s.step_seconds)
 
 
 class ServerMetrics:
