@@ -100,7 +100,7 @@ def sessions_for_load(cfg: ServeBenchConfig, tokenizer: Any, index: int) -> list
     return build_sessions(replace(cfg.workload, seed=cfg.workload.seed + index), tokenizer)
 
 
-async def _run(cfg: ServeBenchConfig, tokenizer: Any) -> dict[str, Any]:
+async def _run(cfg: ServeBenchConfig, warmup: list[Session], per_load: list[list[Session]]) -> dict[str, Any]:
     base = check_loopback(cfg.url)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     # A connection per request in flight, kept (or not) between requests; trust_env=False so no proxy
@@ -112,10 +112,9 @@ async def _run(cfg: ServeBenchConfig, tokenizer: Any) -> dict[str, Any]:
         model = cfg.model or await discover_model(client)
         opts = RequestOptions(model=model, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos,
                               timeout=cfg.timeout, extra_body=cfg.extra_body)
-        await _warmup(client, sessions_for_load(cfg, tokenizer, -1), cfg.warmup, opts)
+        await _warmup(client, warmup, cfg.warmup, opts)
         runs = []
-        for index, load in enumerate(cfg.loads):
-            sessions = sessions_for_load(cfg, tokenizer, index)
+        for load, sessions in zip(cfg.loads, per_load, strict=True):
             total = sum(len(s.turns) for s in sessions)
             desc = f"c={load.concurrency}" if load.mode == "closed" else f"rate={load.rate:g}/s"
             with tqdm(total=total, desc=desc, unit="req", disable=not cfg.progress, leave=False) as bar:
@@ -134,10 +133,11 @@ def run_benchmark(cfg: ServeBenchConfig) -> dict[str, Any]:
     """Run every load of `cfg` in turn and return the report (raises BenchError if the server is unusable)."""
     check_loopback(cfg.url)
     tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
-    sessions = sessions_for_load(cfg, tokenizer, 0)
+    per_load = [sessions_for_load(cfg, tokenizer, i) for i in range(len(cfg.loads))]
+    sessions = per_load[0]  # the workload's own seed: the one the report describes
     started = time.time()
     try:
-        body = asyncio.run(_run(cfg, tokenizer))
+        body = asyncio.run(_run(cfg, sessions_for_load(cfg, tokenizer, -1), per_load))
     except httpx.HTTPError as e:
         raise BenchError(f"cannot talk to {cfg.url}: {type(e).__name__}: {e}") from e
     return {

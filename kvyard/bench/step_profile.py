@@ -12,7 +12,6 @@ busy share, the rest going to the event loop, queues and the GIL.
 """
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from kvyard.bench.output import emit_json, machine_info
 from kvyard.config import EngineConfig
 from kvyard.engine.llm_engine import LLMEngine
 from kvyard.sampling_params import SamplingParams
@@ -102,16 +102,18 @@ def run_step_profile(args: argparse.Namespace) -> int:
     phases = {e.key.removeprefix("kvyard."): e.cpu_time_total / 1000 / args.steps for e in events if e.key in PHASES}
     ops: dict[str, float] = {}
     for e in events:
-        if e.key not in PHASES and not e.key.startswith("kvyard.") and e.self_cpu_time_total > 0:
+        if not e.key.startswith("kvyard.") and e.self_cpu_time_total > 0:  # operators, not the phase markers
             ops[category(e.key)] = ops.get(category(e.key), 0.0) + e.self_cpu_time_total / 1000 / args.steps
-    forward = phases.get("forward", 0.0)
     split = {name: round(ms, 2) for name, ms in sorted(ops.items())}
     split["python and the rest"] = round(max(0.0, wall_ms - sum(ops.values())), 2)
     tokens = args.decodes + args.prompt_chunk
     flops = matmul_flops(engine, tokens, args.decodes + 1)
     cfg = engine.model_config
+    gemm = {"plain_gemm_tflops_step_shape": gemm_tflops(tokens, cfg.hidden_size, cfg.intermediate_size),
+            "plain_gemm_tflops_2048": gemm_tflops(2048, 2048, 2048)}
+    best = max(gemm.values())
     report: dict[str, Any] = {
-        "benchmark": "step-profile", "model": args.model, "threads": torch.get_num_threads(),
+        "benchmark": "step-profile", "model": args.model, "machine": machine_info(),
         "step": {"decodes": args.decodes, "context": args.context, "prompt_chunk": args.prompt_chunk,
                  "tokens": tokens, "profiled_steps": args.steps},
         "step_ms": round(wall_ms, 2),
@@ -120,19 +122,11 @@ def run_step_profile(args: argparse.Namespace) -> int:
         "matmul": {
             "gflop_per_step": flops / 1e9,
             "achieved_tflops": flops / (ops["matmul"] / 1000) / 1e12 if ops.get("matmul") else None,
-            "plain_gemm_tflops_step_shape": gemm_tflops(tokens, cfg.hidden_size, cfg.intermediate_size),
-            "plain_gemm_tflops_2048": gemm_tflops(2048, 2048, 2048),
-            "floor_ms": None,
+            **gemm,
+            "floor_ms": flops / (best * 1e12) * 1000,  # the step's matmuls at the plain GEMM's best rate
         },
-        "forward_ms": round(forward, 2),
     }
-    best = max(report["matmul"]["plain_gemm_tflops_step_shape"], report["matmul"]["plain_gemm_tflops_2048"])
-    report["matmul"]["floor_ms"] = flops / (best * 1e12) * 1000
-    text = json.dumps(report, indent=2)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    emit_json(report, args.json_out)
     print(f"step {wall_ms:.1f} ms: " + ", ".join(f"{k} {v:.1f}" for k, v in split.items())
           + f"; matmuls {flops / 1e9:.1f} GFLOP, floor {report['matmul']['floor_ms']:.1f} ms at {best:.2f} TFLOP/s",
           file=sys.stderr)

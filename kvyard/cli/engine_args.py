@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import typing
 from typing import Any
 
 from kvyard.config import EngineConfig
@@ -33,20 +34,23 @@ _HELP = {
     "ngram_max": "prompt lookup: longest tail n-gram to match",
 }
 
-_INTS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_threads",
-         "num_speculative_tokens", "speculative_max_batch", "ngram_min", "ngram_max")
-_KINDS: dict[str, type] = {**dict.fromkeys(_INTS, int), "max_itl_ms": float}
+def _flag_type(hint: Any) -> type:
+    """int or float for a field that holds only that (or None), str for the rest: `kv_cache_memory` (int | str)
+    parses sizes such as 2GiB itself, `dtype` names a torch dtype."""
+    kinds = [k for k in typing.get_args(hint) or (hint,) if k is not type(None)]
+    return kinds[0] if kinds in ([int], [float]) else str
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         if isinstance(default, bool):
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP.get(f.name))
         else:
-            g.add_argument(flag, type=_KINDS.get(f.name, str), default=default, help=_HELP.get(f.name))
+            g.add_argument(flag, type=_flag_type(hints[f.name]), default=default, help=_HELP.get(f.name))
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:

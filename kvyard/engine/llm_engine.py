@@ -98,7 +98,7 @@ class LLMEngine:
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
         self.held: dict[str, HeldKV] = {}  # KV of finished prefill-only requests, until pulled (kv_handoff)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "aborted": 0, "step_seconds": 0.0}
-        if cfg.max_itl_ms != 0 and cfg.enable_chunked_prefill:  # stall-free batching predicts from step one
+        if self.scheduler.stall_free:  # so that it predicts from the first step
             calibrate_step_cost(self)
 
     def _weights(self, ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:

@@ -72,7 +72,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.token_budget
         decodes = StepShape()  # the running streams' next tokens (and drafts): what a prompt chunk must not stall
-        for req in self.running:
+        for req in self.running if self.stall_free else ():
             if req.num_tokens - req.num_computed_tokens == 1:
                 decodes.add(req.num_computed_tokens, 1 + len(req.spec_token_ids))
         limit = self._step_limit(decodes)
@@ -89,11 +89,12 @@ class Scheduler:
                 if n == 0:
                     i += 1
                     continue
-                planned.add(req.num_computed_tokens, n)
             req.spec_token_ids = req.spec_token_ids[: max(0, n - missing)]
             if not self._make_room(req, req.num_computed_tokens + n, batch):
                 continue  # req itself was preempted; the list shrank
             self.blocks.grow(req, req.num_computed_tokens + n)
+            if missing > 1:
+                planned.add(req.num_computed_tokens, n)
             batch.add(req, n)
             budget -= n
             i += 1
@@ -121,14 +122,18 @@ class Scheduler:
             budget -= n
         return batch
 
+    @property
+    def stall_free(self) -> bool:
+        """Whether prompt chunks are held to an inter-token target: chunking on, and the target not turned off."""
+        return self.cfg.enable_chunked_prefill and self.cfg.max_itl_ms != 0
+
     def _step_limit(self, decodes: StepShape) -> float | None:
-        """The most seconds this step may take; None when nothing limits it: no stream decoding, no
-        chunking, the target turned off (0), or too few steps timed yet to predict one."""
-        target = self.cfg.max_itl_ms
-        if not decodes.tokens or target == 0 or not self.cfg.enable_chunked_prefill or not self.cost.ready:
+        """The most seconds this step may take; None when nothing limits it: no stream decoding, stall-free
+        batching off, or too few steps timed yet to predict one."""
+        if not decodes.tokens or not self.stall_free or not self.cost.ready:
             return None
-        if target is not None:
-            return target / 1000
+        if self.cfg.max_itl_ms is not None:
+            return self.cfg.max_itl_ms / 1000
         full = self.cfg.max_num_seqs
         return AUTO_TARGET_OVER_FULL_DECODE * self.cost.predict(StepShape(full, full * decodes.attended // decodes.tokens))
 
