@@ -77,7 +77,9 @@ def test_the_console_shows_what_the_json_holds(make_engine, tokenizer, tiny_path
             run.thread.join(30)
             assert run.lines[-1] == "[DONE]"
         httpx.post(router.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, trust_env=False)
-        assert wait_until(lambda: router.workers()[worker.url]["running"] == 0, 10)  # sampled, settled
+        # Sampled and settled: nothing running or queued, so the JSON and the page, read a moment apart, agree.
+        assert wait_until(lambda: router.workers()[worker.url]["running"] == 0
+                          and router.workers()[worker.url]["waiting"] == 0, 10)
         data = httpx.get(router.url + "/dashboard/data", trust_env=False).json()
 
         assert data["healthy"] == 1 and data["policy"] == "kv"
