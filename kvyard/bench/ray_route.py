@@ -6,7 +6,8 @@
 1. local: `kvyard up`'s launcher (workers and router as processes) runs `bench serve`'s workload;
 2. ray: a simulated Ray cluster on loopback (a head with no CPUs, `replicas` nodes of `cpus_per_replica`
    CPUs) and `kvyard up --ray ADDRESS` as users start it run the same workload: throughput and TTFT p50
-   against local's, local and Ray taking turns for `--rounds` rounds, and the CPU Ray's own daemons took;
+   against local's, local and Ray taking turns for `--rounds` rounds, and where the machine's CPU went in
+   each cell (Ray's daemons, Ray's threads inside the replicas and the router, the rest: cpu_account.py);
 3. recovery: on a cluster with a node to spare, the node of one replica is removed; the time until the
    router marks it dead and until a request is served by its replacement;
 4. autoscale: `kvyard up --ray` with `cluster.autoscale` (1 to `replicas` replicas) under a load step (one
@@ -198,6 +199,10 @@ def plot(samples: list[tuple[float, int, int]], path: Path) -> None:
     plt.close(fig)
 
 
+CELL_BRIEF = ("failed", "output_throughput", "ttft_p50_ms", "serving_cpu_share", "ray_threads_cpu_share",
+              "ray_daemons_cpu_share")
+
+
 def run_ray_bench(args: argparse.Namespace) -> int:
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     out_dir = Path(args.out_dir)
@@ -247,7 +252,7 @@ def run_ray_bench(args: argparse.Namespace) -> int:
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     brief = {k: v for k, v in report.items() if k not in ("local", "ray", "autoscale")}
     for k in ("local", "ray"):
-        brief[k] = [{m: c.get(m) for m in ("failed", "output_throughput", "ttft_p50_ms", "ray_daemons_cpu_share")}
+        brief[k] = [{m: c.get(m) for m in CELL_BRIEF}
                     for c in report[k]]
     if "autoscale" in report:
         brief["autoscale"] = {k: v for k, v in report["autoscale"].items() if k != "samples"}
@@ -268,37 +273,8 @@ def ratios(local: list[dict[str, Any]], ray_: list[dict[str, Any]]) -> dict[str,
 
 
 def ray_cell(args: argparse.Namespace, address: str, out_dir: Path) -> dict[str, Any]:
-    """The workload through `kvyard up --ray`, with the CPU Ray's own daemons took meanwhile."""
+    """The workload through `kvyard up --ray`; `measure` splits the machine's CPU time meanwhile into Ray's
+    daemons, Ray's threads inside the replicas and the router, and the rest."""
     with ray_deployment(args, address, out_dir / "up-ray.log", "--replicas", str(args.replicas)) as r:
         _wait_all_healthy(r, args.replicas, args.startup_timeout)
-        daemons = ray_daemons()
-        cpu0, t0 = cpu_seconds(daemons), time.monotonic()
-        cell = {"replicas": args.replicas, "policy": "kv", **measure(args, r, serving(r))}
-        cell["ray_daemons_cpu_share"] = (cpu_seconds(daemons) - cpu0) / (time.monotonic() - t0) / os.cpu_count()
-    return cell
-
-
-def ray_daemons() -> list[Any]:
-    """Ray's own processes (GCS, raylets, its dashboard agents and log monitors), not the replicas' workers."""
-    import psutil
-
-    names = ("gcs_server", "raylet", "log_monitor", "dashboard", "monitor.py", "DashboardAgent", "RuntimeEnvAgent")
-    out = []
-    for p in psutil.process_iter(["name", "cmdline"]):
-        text = " ".join([p.info["name"] or "", *(p.info["cmdline"] or [])[:3]])
-        if any(n in text for n in names) and "ReplicaActor" not in text:
-            out.append(p)
-    return out
-
-
-def cpu_seconds(procs: list[Any]) -> float:
-    import psutil
-
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
+        return {"replicas": args.replicas, "policy": "kv", **measure(args, r, serving(r))}

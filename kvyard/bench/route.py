@@ -14,12 +14,14 @@ the TTFT p50 and hit-rate ratios of the first policy to each other.
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvyard.bench import cpu_account
 from kvyard.bench.serve_run import BenchError, run_benchmark
 from kvyard.errors import KvyardError
 from kvyard.router.config import POLICIES
@@ -127,7 +129,9 @@ def measure(args: argparse.Namespace, router: str, workers: list[str]) -> dict[s
 
     before = scrape(router), {w: scrape(w) for w in workers}
     args_for_cell = argparse.Namespace(**{**vars(args), "model": None})  # requests use the served name
+    threads0, t0 = cpu_account.snapshot(), time.monotonic()
     report = run_benchmark(config_from_args(args_for_cell, router))
+    cpu = cpu_account.account(threads0, cpu_account.snapshot(), time.monotonic() - t0)
     after = scrape(router), {w: scrape(w) for w in workers}
     [run] = report["runs"]
     s = run["summary"]
@@ -140,13 +144,12 @@ def measure(args: argparse.Namespace, router: str, workers: list[str]) -> dict[s
         "request_throughput": s["request_throughput"],
         "output_throughput": s["output_throughput"],
         **stats,
+        **cpu,
         "summary": s,
     }
 
 
 def _wait_all_healthy(router: str, replicas: int, timeout: float) -> None:
-    import time
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         ws = httpx.get(router + "/workers", timeout=5, trust_env=False).json()["workers"]
