@@ -52,7 +52,16 @@ ARCH_CLASSES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
+# Gemma 3 in small: three layers, two of them sliding with a window shorter than most test prompts and not a
+# multiple of any block size used, and a query scale other than head_dim's.
+GEMMA3_TINY = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=7, num_hidden_layers=3,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+
+
+# Variants of a family under a name of their own: (model_type, config overrides).
+VARIANTS = {"mistral-sliding": ("mistral", dict(sliding_window=7))}
 
 
 def make_tiny_checkpoint(
@@ -67,6 +76,8 @@ def make_tiny_checkpoint(
     """Write a random model with the tiny tokenizer to `out`; return `out`."""
     out.mkdir(parents=True, exist_ok=True)
     tok = save_tiny_tokenizer(out)
+    model_type, variant = VARIANTS.get(model_type, (model_type, {}))
+    overrides = {**variant, **overrides}
     cfg_cls, model_cls = (getattr(transformers, n) for n in ARCH_CLASSES[model_type])
     kwargs = dict(
         vocab_size=len(tok),
@@ -84,6 +95,8 @@ def make_tiny_checkpoint(
     )
     if model_type == "qwen3":
         kwargs["head_dim"] = 16
+    if model_type == "gemma3_text":
+        kwargs.update(GEMMA3_TINY)
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kwargs)).eval()

@@ -27,7 +27,7 @@ from kvyard.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.loader.checkpoint import Checkpoint, load_checkpoint
 from kvyard.loader.registry import resolve_model
-from kvyard.models.decoder import DecoderModel
+from kvyard.models.build import build_model
 from kvyard.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvyard.quant.kv_smoothing import smooth_keys
 from kvyard.quant.plan import quantize_stream, uniform_plan
@@ -77,7 +77,7 @@ class LLMEngine:
         context = min(ckpt.config.max_position_embeddings, cfg.max_model_len or 1 << 62)
         # A request must fit the whole pool, or preempting everyone else could still not make room.
         self.max_model_len = min(context, num_blocks * cfg.block_size)
-        model = DecoderModel(ckpt.config, cfg.dtype, device, max_positions=self.max_model_len, max_rows=cfg.token_budget)
+        model = build_model(ckpt.config, cfg.dtype, device, max_positions=self.max_model_len, max_rows=cfg.token_budget)
         model.load(self._weights(ckpt), str(path))
         if cfg.kv_cache_dtype == "int8":
             smooth_keys(model, self.tokenizer, max_len=min(256, self.max_model_len))

@@ -31,6 +31,10 @@ _BIAS_PARAMS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_p
 _QK_NORM_PARAMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
+# Gemma 3's norms around the MLP (its post_attention_layernorm, in _LAYER_PARAMS, norms the attention's output)
+_SANDWICH_NORM_PARAMS = ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
+
+
 def expected_tensor_names(config: ModelConfig) -> list[str]:
     """The HF parameter names the model code consumes for this config, in model order."""
     per_layer = list(_LAYER_PARAMS)
@@ -38,6 +42,8 @@ def expected_tensor_names(config: ModelConfig) -> list[str]:
         per_layer += _BIAS_PARAMS
     if config.qk_norm:
         per_layer += _QK_NORM_PARAMS
+    if config.model_type == "gemma3_text":
+        per_layer += _SANDWICH_NORM_PARAMS
     names = ["model.embed_tokens.weight"]
     names += [f"model.layers.{i}.{p}" for i in range(config.num_layers) for p in per_layer]
     names.append("model.norm.weight")

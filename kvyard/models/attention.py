@@ -21,7 +21,8 @@ class PrefillSpan:
     # Slots of the whole context (earlier chunks + this one); None when the chunk is the whole context,
     # so attention can use the chunk's own K/V without reading the cache back.
     context_slots: torch.Tensor | None
-    mask: torch.Tensor | None  # [chunk, context] bool, only with context_slots
+    # [chunk, context] bool: always with context_slots; without them, only where a sliding window cuts the chunk
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -33,6 +34,30 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [decodes] int64: context length of each decode row
     prefills: list[PrefillSpan] = field(default_factory=list)
     _decode_mask: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _windowed: dict[int, "AttentionMetadata"] = field(default_factory=dict, init=False, repr=False)
+
+    def windowed(self, window: int | None) -> "AttentionMetadata":
+        """The step as a sliding-window layer sees it: a query attends to keys fewer than `window` positions
+        behind it (HF's kv > q - window). Itself where no query's context reaches past the window; made once
+        per step and window, for all the layers that share it."""
+        if window is None:
+            return self
+        if window not in self._windowed:
+            self._windowed[window] = self._restricted_to(window)
+        return self._windowed[window]
+
+    def _restricted_to(self, window: int) -> "AttentionMetadata":
+        spans = [windowed_span(s, window, self.slot_mapping.device) for s in self.prefills]
+        long_decodes = self.decode_lens is not None and bool((self.decode_lens > window).any())
+        if not long_decodes and all(a is b for a, b in zip(spans, self.prefills, strict=True)):
+            return self
+        out = AttentionMetadata(self.slot_mapping, self.block_size, self.num_decodes, self.decode_blocks,
+                                self.decode_lens, spans)
+        if long_decodes:
+            out.decode_blocks, out.decode_lens = window_slots(self.decode_blocks, self.decode_lens, self.block_size,
+                                                              window)
+            out.block_size = 1
+        return out
 
     def decode_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """[decodes, 1, 1, max_blocks * block_size] additive mask (0 / -inf) over the padded blocks; made
@@ -46,11 +71,33 @@ class AttentionMetadata:
         return self._decode_mask
 
 
-def causal_context_mask(chunk: int, context: int, device: torch.device) -> torch.Tensor:
-    """Query i of a chunk at the end of `context` keys may see keys 0 .. context - chunk + i."""
+def causal_context_mask(chunk: int, context: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """Query i of a chunk at the end of `context` keys may see keys 0 .. context - chunk + i (and, with a
+    sliding window, none `window` or more positions behind it)."""
     q = torch.arange(chunk, device=device).unsqueeze(1) + (context - chunk)
     k = torch.arange(context, device=device).unsqueeze(0)
-    return k <= q
+    return (k <= q) & (k > q - window) if window is not None else k <= q
+
+
+def windowed_span(span: PrefillSpan, window: int, device: torch.device) -> PrefillSpan:
+    """A prefill chunk under a sliding window: itself when no query has keys `window` positions behind it."""
+    chunk = span.end - span.start
+    context = chunk if span.mask is None else span.mask.shape[1]
+    if context <= window:
+        return span
+    return PrefillSpan(span.start, span.end, span.context_slots,
+                       causal_context_mask(chunk, context, device, window))
+
+
+def window_slots(blocks: torch.Tensor, lens: torch.Tensor, block_size: int, window: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each decode row's last min(len, window) positions as a table of single slots (a block size of 1) and
+    their count: the decode kernel then walks only the window, with no mask inside a block."""
+    start = (lens - window).clamp(min=0)
+    width = int((lens - start).max())
+    pos = start.unsqueeze(1) + torch.arange(width, device=lens.device)
+    pos = torch.minimum(pos, (lens - 1).unsqueeze(1))  # past a shorter row's end: padding, never read
+    return blocks.gather(1, pos // block_size) * block_size + pos % block_size, lens - start
 
 
 def paged_attention(
@@ -59,27 +106,29 @@ def paged_attention(
     meta: AttentionMetadata,
     k: torch.Tensor,  # [tokens, kv_heads, head_dim], this step's K/V (chunks without context attend to them)
     v: torch.Tensor,
+    scale: float | None = None,  # None: head_dim ** -0.5 (SDPA's own default, to the last bit)
 ) -> torch.Tensor:
     """Attention of every token of the step; returns [tokens, heads, head_dim]."""
     nd = meta.num_decodes
     if not meta.prefills:  # a pure decode step: no output buffer to assemble
-        return decode_attention(q, cache, meta)
+        return decode_attention(q, cache, meta, scale)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = decode_attention(q[:nd], cache, meta)
+        out[:nd] = decode_attention(q[:nd], cache, meta, scale)
     for span in meta.prefills:
-        out[span.start : span.end] = prefill_attention(q, k, v, cache, span)
+        out[span.start : span.end] = prefill_attention(q, k, v, cache, span, scale)
     return out
 
 
-def decode_attention(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float | None = None
+                     ) -> torch.Tensor:
     """One query per row against its whole context: on CPU one kernel call that reads K/V in place through
     the block tables; otherwise one SDPA call over the gathered, padded and masked blocks."""
     nd, heads, head_dim = q.shape
     if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available():
         return torch.ops.kvyard.paged_decode_attention(
             q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.decode_blocks, meta.decode_lens,
-            meta.block_size, head_dim**-0.5)
+            meta.block_size, head_dim**-0.5 if scale is None else scale)
     blocks = meta.decode_blocks
     width = blocks.shape[1] * meta.block_size  # type: ignore[union-attr]
     k, v = cache.read_blocks(blocks.view(-1), meta.block_size, q.dtype)  # type: ignore[union-attr]
@@ -90,12 +139,12 @@ def decode_attention(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata) -
     # one single-query attention per (row, query head) becomes one per (row, KV head), a third of the
     # calls for SmolLM2, and SDPA's per-call cost is most of a decode step's attention on CPU.
     qg = q.view(nd, kv_heads, heads // kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask(q.dtype))
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask(q.dtype), scale=scale)
     return o.reshape(nd, heads, head_dim)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
-                      span: PrefillSpan) -> torch.Tensor:
+                      span: PrefillSpan, scale: float | None = None) -> torch.Tensor:
     """A chunk's causal attention over its own K/V, or over its whole cached context."""
     qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
     if span.context_slots is None:
@@ -106,8 +155,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
         qs,
         ks.transpose(0, 1).unsqueeze(0),
         vs.transpose(0, 1).unsqueeze(0),
-        attn_mask=span.mask if span.context_slots is not None else None,
-        is_causal=span.context_slots is None,
+        attn_mask=span.mask,
+        is_causal=span.mask is None,
+        scale=scale,
         enable_gqa=True,
     )
     return o.squeeze(0).transpose(0, 1)

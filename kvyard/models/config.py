@@ -11,7 +11,9 @@ SUPPORTED_MODEL_TYPES = {
     "mistral": {"attention_bias": False, "qk_norm": False},
     "qwen2": {"attention_bias": True, "qk_norm": False},
     "qwen3": {"attention_bias": False, "qk_norm": True},
+    "gemma3_text": {"attention_bias": False, "qk_norm": True},
 }
+GEMMA3_ACTIVATION = "gelu_pytorch_tanh"
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,17 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Per layer: the sliding window (a query sees keys fewer than this many positions behind it), or None for
+    # full attention; empty when no layer slides.
+    layer_windows: tuple[int | None, ...] = ()
+    local_rope_theta: float | None = None  # Gemma 3's sliding layers rotate with a base of their own
+    query_pre_attn_scalar: float | None = None  # attention scales by its -1/2 power; None: head_dim's
+    final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
+
+    @property
+    def attention_scale(self) -> float | None:
+        """Attention's scale where it is not head_dim ** -0.5 (None: that default)."""
+        return None if self.query_pre_attn_scalar is None else float(self.query_pre_attn_scalar) ** -0.5
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -60,27 +73,56 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", 10000.0)
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = rope_params
-        context = int(cfg.get("max_position_embeddings", 2048))
+        num_layers = int(cfg["num_hidden_layers"])
+        family: dict[str, Any] = {}  # the fields only some families set
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
-        if window:
-            # No sliding-window attention here: keep outputs exact by never exceeding the window.
-            context = min(context, int(window))
+        if model_type == "gemma3_text":
+            family = _gemma3_fields(cfg, source, num_layers)
+            rope_theta, rope_scaling = family.pop("rope_theta"), family.pop("rope_scaling")
+        elif window:
+            family["layer_windows"] = (int(window),) * num_layers  # mistral: every layer slides
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
-            max_position_embeddings=context,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "gemma3_text")),
             attention_bias=bool(cfg.get("attention_bias", flags["attention_bias"])),
             qk_norm=flags["qk_norm"],
             rope_scaling=rope_scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **family,
         )
+
+
+def _gemma3_fields(cfg: dict[str, Any], source: str, num_layers: int) -> dict[str, Any]:
+    """Gemma 3's layer kinds, RoPE bases and scales, from either config layout (transformers 4's rope_theta and
+    rope_local_base_freq, or 5's rope_parameters per layer kind)."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or GEMMA3_ACTIVATION
+    if act != GEMMA3_ACTIVATION or cfg.get("attn_logit_softcapping") is not None:
+        raise UnsupportedArchitectureError(
+            f"{source}: gemma3 with hidden_activation={act!r} and attn_logit_softcapping="
+            f"{cfg.get('attn_logit_softcapping')!r}; kvyard implements {GEMMA3_ACTIVATION!r} and no attention softcap")
+    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+    kinds = cfg.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                       for i in range(num_layers)]
+    window = int(cfg.get("sliding_window") or 512)
+    per_kind = cfg.get("rope_parameters") or {}
+    full, local = per_kind.get("full_attention") or {}, per_kind.get("sliding_attention") or {}
+    scaling = cfg.get("rope_scaling") or (full if full.get("rope_type", "default") != "default" else None)
+    return {
+        "layer_windows": tuple(window if k == "sliding_attention" else None for k in kinds),
+        "rope_theta": float(full.get("rope_theta") or cfg.get("rope_theta") or 1_000_000.0),
+        "rope_scaling": scaling,
+        "local_rope_theta": float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10_000.0),
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or 256),
+        "final_logit_softcapping": cfg.get("final_logit_softcapping"),
+    }

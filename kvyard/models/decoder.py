@@ -4,7 +4,7 @@ Weights are held fused (q|k|v and gate|up) so that each layer runs four matmuls,
 where per-op overhead adds up over 30 layers.
 """
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -67,6 +67,10 @@ class LayerWeights:
     # [heads + kv_heads, head_dim] powers of two on q and k before RoPE, q . k unchanged: set for int8 KV
     # caches (kvyard/quant/kv_smoothing.py), so that large key channels do not coarsen the rest
     qk_scale: torch.Tensor | None = None
+    window: int | None = None  # a sliding-window layer's window (ModelConfig.layer_windows)
+    # Gemma 3's norms of the attention's and the MLP's outputs, before each joins the residual stream
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
     # Every assignment to any layer's fields, counted: a model rebuilds its decode stack when this moves (the
     # quantizer swaps units in place; int8 KV caches set qk_scale after load).
     edits: ClassVar[int] = 0
@@ -124,30 +128,12 @@ class DecoderModel:
             return pack_weight(self._weight([take(n) for n in names], source), self.max_rows, gate_up)
 
         self.embed = take("model.embed_tokens.weight")
-        self.final_norm = take("model.norm.weight")
+        self.final_norm = self._norm_weight(take("model.norm.weight"))
         head = w.pop("lm_head.weight", None) if cfg.tie_word_embeddings else take("lm_head.weight")
         # A quantized head is kept even for tied embeddings: the lookup table stays dense.
         tied = head is None or (cfg.tie_word_embeddings and not isinstance(head, QuantizedTensor))
         self.lm_head = self.embed if tied else self._weight([head], source)  # type: ignore[list-item]
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            qkv = weight(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
-            bias = None
-            if cfg.attention_bias:
-                bias = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
-            self.layers.append(
-                LayerWeights(
-                    input_norm=take(p + "input_layernorm.weight"),
-                    qkv=qkv,
-                    qkv_bias=bias,
-                    qk_norm=self._qk_norm(take(a + "q_norm.weight"), take(a + "k_norm.weight")) if cfg.qk_norm else None,
-                    o=weight(a + "o_proj.weight"),
-                    post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=weight(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", gate_up=True),
-                    down=weight(p + "mlp.down_proj.weight"),
-                )
-            )
+        self.layers = [self._layer(i, take, weight) for i in range(cfg.num_layers)]
         expected = (cfg.vocab_size, cfg.hidden_size)
         if tuple(self.embed.shape) != expected:
             raise CheckpointError(
@@ -155,6 +141,33 @@ class DecoderModel:
             )
         if self.device.type == "cpu":
             move_to_huge_pages(self.weight_tensors())
+
+    def _norm_weight(self, t: torch.Tensor) -> torch.Tensor:
+        """A norm's weight as the kernels take it (x_normed * w); Gemma's (1 + w) overrides this."""
+        return t
+
+    def _layer(self, i: int, take: Callable[[str], torch.Tensor], weight: Callable[..., Weight]) -> LayerWeights:
+        cfg = self.cfg
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        qkv = weight(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
+        bias = None
+        if cfg.attention_bias:
+            bias = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
+        qk_norm = None
+        if cfg.qk_norm:
+            qk_norm = self._qk_norm(*(self._norm_weight(take(a + n)) for n in ("q_norm.weight", "k_norm.weight")))
+        return LayerWeights(
+            input_norm=self._norm_weight(take(p + "input_layernorm.weight")),
+            qkv=qkv,
+            qkv_bias=bias,
+            qk_norm=qk_norm,
+            o=weight(a + "o_proj.weight"),
+            post_norm=self._norm_weight(take(p + "post_attention_layernorm.weight")),
+            gate_up=weight(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", gate_up=True),
+            down=weight(p + "mlp.down_proj.weight"),
+            window=cfg.layer_windows[i] if cfg.layer_windows else None,
+        )
 
     def weight_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor the weights are held in, whatever their form (dense, packed, low-bit)."""
@@ -175,13 +188,13 @@ class DecoderModel:
     ) -> torch.Tensor:
         """Run one step over a flat batch of tokens; return fp32 logits for the rows in logits_indices."""
         eps = self.cfg.rms_norm_eps
-        cos, sin = self.rope.lookup(positions, self.dtype)
-        x = F.embedding(input_ids, self.embed)
+        ropes = self.rotary(positions)
+        x = self.embed_tokens(input_ids)
         stack = self._decode_stack() if cpu_kernels.decode_stack_enabled() and takes_step(x, meta, kv_caches) else None
-        if stack is not None:
-            run_decode_stack(stack, x, meta, kv_caches, cos, sin)
+        if stack is not None and all(meta.windowed(layer.window) is meta for layer in self.layers):
+            run_decode_stack(stack, x, meta, kv_caches, *ropes[0])
         else:
-            for layer, cache in zip(self.layers, kv_caches, strict=True):
+            for layer, cache, (cos, sin) in zip(self.layers, kv_caches, ropes, strict=True):
                 self.run_layer(x, layer, cache, meta, cos, sin)
         last = rms_norm(x[logits_indices], self.final_norm, eps)
         # One row without kvyard's VNNI kernels: the unpacked head through GEMV. For SmolLM2's 57 MB head (2
@@ -190,14 +203,25 @@ class DecoderModel:
         head = self._head()
         if last.shape[0] == 1 and not isinstance(head, VnniWeight):
             head = self.lm_head
-        return linear(last, head).float()
+        logits = linear(last, head)
+        cap = self.cfg.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed)
+
+    def rotary(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos and sin at this step's positions (one table for every layer here)."""
+        return [self.rope.lookup(positions, self.dtype)] * len(self.layers)
 
     def run_layer(self, x: torch.Tensor, layer: LayerWeights, cache: LayerKV, meta: AttentionMetadata,
                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """One decoder layer on the residual stream `x`, updated in place (and returned): each sum is rounded
         once, as HF's x = x + y is."""
         eps = self.cfg.rms_norm_eps
-        h = self._attention(rms_norm(x, layer.input_norm, eps), layer, cache, meta, cos, sin)
+        h = self._attention(rms_norm(x, layer.input_norm, eps), layer, cache, meta.windowed(layer.window), cos, sin)
         return x.add_(self._mlp(add_rms_norm_(x, h, layer.post_norm, eps), layer))
 
     def _decode_stack(self) -> torch.ScriptObject | None:
@@ -230,7 +254,7 @@ class DecoderModel:
             # RoPE in place on q and k: v stays next to k in the same buffer, and no q/k copies are made.
             apply_rotary(qk, cos, sin, out=qk)
             cache.write(meta.slot_mapping, k, v)
-        attn = paged_attention(q, cache, meta, k, v)
+        attn = paged_attention(q, cache, meta, k, v, cfg.attention_scale)
         return linear(attn.reshape(n, self.q_size), layer.o)
 
     def _mlp(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:

@@ -14,6 +14,7 @@ from kvyard.config import parse_dtype
 from kvyard.errors import ConfigError
 from kvyard.loader.checkpoint import Checkpoint, TensorStream, load_checkpoint
 from kvyard.loader.registry import resolve_model
+from kvyard.models.build import build_model
 from kvyard.models.config import ModelConfig
 from kvyard.models.decoder import DecoderModel
 from kvyard.quant.awq import DEFAULT_SCALING, SCALINGS, UnitScaling, scale_units
@@ -152,7 +153,7 @@ def load_reference(opts: QuantizeOptions) -> Reference:
 def _dense_model(ckpt: Checkpoint, tensors: dict[str, torch.Tensor] | TensorStream,
                  opts: QuantizeOptions) -> DecoderModel:
     """`tensors`: a dict, or a checkpoint's stream (read as the model loads, never all at once in float32)."""
-    model = DecoderModel(ckpt.config, parse_dtype(opts.dtype), torch.device("cpu"), max_positions=opts.max_seq_len + 1)
+    model = build_model(ckpt.config, parse_dtype(opts.dtype), torch.device("cpu"), max_positions=opts.max_seq_len + 1)
     model.load(tensors.items() if isinstance(tensors, dict) else tensors(), str(ckpt.path))
     return model
 

@@ -21,6 +21,7 @@ from kvyard.engine.sampler import fast_argmax
 from kvyard.engine.scheduler import ScheduledBatch
 from kvyard.loader.checkpoint import load_checkpoint
 from kvyard.loader.registry import resolve_model
+from kvyard.models.build import build_model
 from kvyard.models.decoder import DecoderModel
 from kvyard.models.kv_layer import LayerKV
 from kvyard.sampling_params import SamplingParams
@@ -70,7 +71,7 @@ class DraftModelProposer:
         check_same_tokenizer(
             target_tokenizer, ckpt.tokenizer, target_vocab_size, ckpt.config.vocab_size, str(path)
         )
-        model = DecoderModel(ckpt.config, dtype, device, max_positions=max_positions)
+        model = build_model(ckpt.config, dtype, device, max_positions=max_positions)
         model.load(ckpt.tensors(), str(path))
         # As many blocks as the target's pool: the drafter never holds more tokens than the target does.
         kv = allocate_kv_caches(ckpt.config, num_blocks, block_size, dtype, device)

@@ -39,9 +39,23 @@ def test_architecture_switches():
     assert q3.qk_norm and q3.head_dim == 128
 
 
-def test_mistral_window_caps_the_context():
+def test_mistral_window_slides_in_every_layer_and_keeps_the_context():
     cfg = ModelConfig.from_hf({**BASE, "model_type": "mistral", "sliding_window": 4096})
-    assert cfg.max_position_embeddings == 4096
+    assert cfg.max_position_embeddings == 131072 and cfg.layer_windows == (4096,) * cfg.num_layers
+
+
+def test_gemma3_layer_kinds_and_rope_bases_from_either_config_layout():
+    base = {**BASE, "model_type": "gemma3_text", "num_hidden_layers": 12, "sliding_window": 512, "head_dim": 256}
+    old = ModelConfig.from_hf({**base, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "query_pre_attn_scalar": 256})
+    new = ModelConfig.from_hf({**base, "query_pre_attn_scalar": 256, "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    for cfg in (old, new):
+        assert cfg.layer_windows == ((512,) * 5 + (None,)) * 2  # every sixth layer is global
+        assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling) == (1e6, 1e4, None)
+        assert cfg.attention_scale == 256**-0.5 and cfg.tie_word_embeddings
+    with pytest.raises(UnsupportedArchitectureError, match="attn_logit_softcapping"):
+        ModelConfig.from_hf({**base, "attn_logit_softcapping": 50.0})
 
 
 def test_missing_fields_and_unknown_types_name_the_source():

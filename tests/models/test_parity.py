@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvyard import LLM, SamplingParams
+from kvyard.loader.checkpoint import load_checkpoint
 from tests.conftest import hf_greedy, hf_reference
 
 PROMPTS = [
@@ -16,17 +17,24 @@ PROMPTS = [
 NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 LOGIT_ATOL = 1e-4  # 140x the fp32 rounding measured, 14x under a 1% error in one layer
-ARCHS = [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False), ("qwen2", True), ("qwen3", False)]
+ARCHS = [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False), ("qwen2", True), ("qwen3", False),
+         # sliding windows of 7 positions (every layer; two of Gemma's three), shorter than most prompts
+         ("mistral-sliding", False), ("gemma3_text", True)]
 
 # Engine settings that must not change a single greedy token.
 MODES = {
     "whole-prompts": dict(enable_chunked_prefill=False, max_num_batched_tokens=512),
     "chunked": dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
-    "preempting": dict(enable_chunked_prefill=True, max_num_batched_tokens=24, block_size=4,
-                       kv_cache_memory=24 * 4 * 2 * 2 * 2 * 16 * 4),  # 24 blocks of 4 tokens
+    "preempting": dict(enable_chunked_prefill=True, max_num_batched_tokens=24, block_size=4),  # + _small_pool
     # Prompts admitted while others decode, in one-block chunks: no step can meet a 1 µs inter-token target.
     "stall-free": dict(max_itl_ms=1e-3),
 }
+
+
+def _small_pool(path, blocks: int = 24, block_size: int = 4) -> int:
+    """KV cache bytes for `blocks` blocks of fp32 K and V in every layer of the checkpoint at `path`."""
+    cfg = load_checkpoint(path).config
+    return blocks * block_size * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers
 
 
 def _token_prompts(llm: LLM) -> list[list[int]]:
@@ -37,7 +45,8 @@ def _token_prompts(llm: LLM) -> list[list[int]]:
 @pytest.mark.parametrize("arch,tied", ARCHS)
 def test_greedy_tokens_match_transformers(tiny_checkpoint, arch, tied, mode):
     path = tiny_checkpoint(arch, tied)
-    llm = LLM(str(path), dtype="float32", **MODES[mode])
+    pool = {"kv_cache_memory": _small_pool(path)} if mode == "preempting" else {}
+    llm = LLM(str(path), dtype="float32", **MODES[mode], **pool)
     if mode == "stall-free":
         # A stream already decoding when the prompts arrive, after a long prefill step and short decode steps
         # the cost model fits.

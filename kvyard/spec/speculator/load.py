@@ -14,8 +14,8 @@ import torch
 from kvyard.engine.kv_cache import allocate_kv_caches
 from kvyard.loader.checkpoint import load_checkpoint
 from kvyard.loader.registry import resolve_model
+from kvyard.models.build import build_model
 from kvyard.models.config import ModelConfig
-from kvyard.models.decoder import DecoderModel
 from kvyard.spec.draft_model import DraftModelProposer
 from kvyard.spec.ngram import LookupFirst, NgramProposer
 from kvyard.spec.proposer import Proposer
@@ -50,7 +50,7 @@ def load_speculator(
     weights = read_weights(directory)
     token_map = weights.pop(TOKEN_MAP).to(device)
     config = ModelConfig.from_hf(cfg.hf_config, str(Path(directory) / CONFIG_NAME))
-    model = DecoderModel(config, dtype, device, max_positions=max_positions)
+    model = build_model(config, dtype, device, max_positions=max_positions)
     model.load(chain(shared.items(), weights.items()), str(directory))
     if len(token_map) < config.vocab_size:
         model.lm_head = model.lm_head[token_map].contiguous()  # the embedding itself stays whole
