@@ -53,6 +53,20 @@ ARCH_CLASSES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+}
+# Mixture-of-Experts families in small: 4 experts, top-2, routers of each kind (renormalised top-k or not), a
+# dense first layer (qwen2_moe's mlp_only_layers), qwen2_moe's gated shared expert, OLMoE's q/k/v clipping.
+MOE_TINY = {
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, mlp_only_layers=[0], norm_topk_prob=False),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                      norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, clip_qkv=6.0, norm_topk_prob=False),
 }
 # Gemma 3 in small: three layers, two of them sliding with a window shorter than most test prompts and not a
 # multiple of any block size used, and a query scale other than head_dim's.
@@ -97,6 +111,7 @@ def make_tiny_checkpoint(
         kwargs["head_dim"] = 16
     if model_type == "gemma3_text":
         kwargs.update(GEMMA3_TINY)
+    kwargs.update(MOE_TINY.get(model_type, {}))
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kwargs)).eval()

@@ -12,6 +12,7 @@ from kvyard.errors import CheckpointError, UnsupportedArchitectureError
 from kvyard.loader.checkpoint import Checkpoint
 from kvyard.loader.generation_defaults import from_generation_config
 from kvyard.models.config import ModelConfig
+from kvyard.models.moe import expert_tensor_names
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -44,8 +45,15 @@ def expected_tensor_names(config: ModelConfig) -> list[str]:
         per_layer += _QK_NORM_PARAMS
     if config.model_type == "gemma3_text":
         per_layer += _SANDWICH_NORM_PARAMS
+    if config.qk_norm_whole:
+        per_layer += _QK_NORM_PARAMS
     names = ["model.embed_tokens.weight"]
-    names += [f"model.layers.{i}.{p}" for i in range(config.num_layers) for p in per_layer]
+    for i in range(config.num_layers):
+        sparse = config.is_sparse(i)
+        names += [f"model.layers.{i}.{p}" for p in per_layer if not (sparse and p.startswith("mlp."))]
+        if sparse:
+            router, experts, shared = expert_tensor_names(config, i)
+            names += [router, *(n for e in experts for n in e), *shared]
     names.append("model.norm.weight")
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")

@@ -12,7 +12,13 @@ SUPPORTED_MODEL_TYPES = {
     "qwen2": {"attention_bias": True, "qk_norm": False},
     "qwen3": {"attention_bias": False, "qk_norm": True},
     "gemma3_text": {"attention_bias": False, "qk_norm": True},
+    # Mixture-of-Experts families (kvyard/models/moe.py)
+    "qwen2_moe": {"attention_bias": True, "qk_norm": False},
+    "qwen3_moe": {"attention_bias": False, "qk_norm": True},
+    "mixtral": {"attention_bias": False, "qk_norm": False},
+    "olmoe": {"attention_bias": False, "qk_norm": False},  # its q/k norms span the whole projection
 }
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 GEMMA3_ACTIVATION = "gelu_pytorch_tanh"
 
 
@@ -41,6 +47,18 @@ class ModelConfig:
     local_rope_theta: float | None = None  # Gemma 3's sliding layers rotate with a base of their own
     query_pre_attn_scalar: float | None = None  # attention scales by its -1/2 power; None: head_dim's
     final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
+    # Mixture of Experts: which layers route (True) or keep a dense MLP; experts' sizes and the router's rule
+    sparse_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0  # qwen2_moe
+    qk_norm_whole: bool = False  # olmoe: RMSNorm over all of q's (and of k's) heads at once
+    clip_qkv: float | None = None  # olmoe: q, k and v clamped to [-c, c]
+
+    def is_sparse(self, layer: int) -> bool:
+        return bool(self.sparse_layers) and self.sparse_layers[layer]
 
     @property
     def attention_scale(self) -> float | None:
@@ -81,6 +99,8 @@ class ModelConfig:
             rope_theta, rope_scaling = family.pop("rope_theta"), family.pop("rope_scaling")
         elif window:
             family["layer_windows"] = (int(window),) * num_layers  # mistral: every layer slides
+        if model_type in MOE_MODEL_TYPES:
+            family.update(_moe_fields(cfg, model_type, num_layers))
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -125,4 +145,23 @@ def _gemma3_fields(cfg: dict[str, Any], source: str, num_layers: int) -> dict[st
         "local_rope_theta": float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10_000.0),
         "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or 256),
         "final_logit_softcapping": cfg.get("final_logit_softcapping"),
+    }
+
+
+def _moe_fields(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """The routing layout of an MoE config, as transformers reads it for each family."""
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    return {
+        "sparse_layers": tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 2),
+        # Mixtral's and OLMoE's experts are intermediate_size wide; the Qwen MoEs' have a size of their own.
+        "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        "norm_topk_prob": True if model_type == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)
+        if model_type == "qwen2_moe" else 0,
+        "qk_norm_whole": model_type == "olmoe",
+        "clip_qkv": cfg.get("clip_qkv") if model_type == "olmoe" else None,
     }

@@ -57,6 +57,8 @@ def build_decode_stack(model: DecoderModel) -> torch.ScriptObject | None:
     cfg = model.cfg
     if model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16) or not cpu_kernels.available():
         return None
+    if cfg.num_experts or cfg.qk_norm_whole or cfg.clip_qkv is not None:  # steps the C++ stack does not take
+        return None
     stack = torch.classes.kvyard.DecodeStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
     for layer in model.layers:
         specs = [linear_spec(layer.qkv, layer.qkv_bias, model.dtype), linear_spec(layer.o, None, model.dtype),

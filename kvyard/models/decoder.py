@@ -19,6 +19,7 @@ from kvyard.models.decode_stack import build_decode_stack, run_decode_stack, tak
 from kvyard.models.huge_pages import move_to_huge_pages, tensors_in
 from kvyard.models.kv_layer import LayerKV
 from kvyard.models.linear import VnniWeight, Weight, gated_mlp_input, linear, pack_weight
+from kvyard.models.moe import MoeWeights, load_moe, moe_mlp
 from kvyard.models.rope import RotaryTable, apply_rotary
 from kvyard.quant.qlinear import make_linear
 from kvyard.quant.qtensor import QuantizedTensor
@@ -62,8 +63,8 @@ class LayerWeights:
     qk_norm: torch.Tensor | None  # qwen3: [heads + kv_heads, head_dim], q_norm's rows then k_norm's
     o: Weight
     post_norm: torch.Tensor
-    gate_up: Weight
-    down: Weight
+    gate_up: Weight | None  # None in a Mixture-of-Experts layer, which has `moe` instead
+    down: Weight | None
     # [heads + kv_heads, head_dim] powers of two on q and k before RoPE, q . k unchanged: set for int8 KV
     # caches (kvyard/quant/kv_smoothing.py), so that large key channels do not coarsen the rest
     qk_scale: torch.Tensor | None = None
@@ -71,6 +72,7 @@ class LayerWeights:
     # Gemma 3's norms of the attention's and the MLP's outputs, before each joins the residual stream
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
+    moe: MoeWeights | None = None
     # Every assignment to any layer's fields, counted: a model rebuilds its decode stack when this moves (the
     # quantizer swaps units in place; int8 KV caches set qk_scale after load).
     edits: ClassVar[int] = 0
@@ -157,6 +159,9 @@ class DecoderModel:
         qk_norm = None
         if cfg.qk_norm:
             qk_norm = self._qk_norm(*(self._norm_weight(take(a + n)) for n in ("q_norm.weight", "k_norm.weight")))
+        elif cfg.qk_norm_whole:  # olmoe: [heads * head_dim] then [kv_heads * head_dim]
+            qk_norm = torch.cat([take(a + "q_norm.weight"), take(a + "k_norm.weight")])
+        sparse = cfg.is_sparse(i)
         return LayerWeights(
             input_norm=self._norm_weight(take(p + "input_layernorm.weight")),
             qkv=qkv,
@@ -164,9 +169,10 @@ class DecoderModel:
             qk_norm=qk_norm,
             o=weight(a + "o_proj.weight"),
             post_norm=self._norm_weight(take(p + "post_attention_layernorm.weight")),
-            gate_up=weight(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", gate_up=True),
-            down=weight(p + "mlp.down_proj.weight"),
+            gate_up=None if sparse else weight(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", gate_up=True),
+            down=None if sparse else weight(p + "mlp.down_proj.weight"),
             window=cfg.layer_windows[i] if cfg.layer_windows else None,
+            moe=load_moe(cfg, i, take) if sparse else None,
         )
 
     def weight_tensors(self) -> Iterator[torch.Tensor]:
@@ -242,8 +248,15 @@ class DecoderModel:
         n, heads, kv_heads = h.shape[0], cfg.num_heads, cfg.num_kv_heads
         qkv = linear(h, layer.qkv, layer.qkv_bias).view(n, heads + 2 * kv_heads, cfg.head_dim)
         qk = qkv[:, : heads + kv_heads]
-        if layer.qk_norm is not None:
+        if layer.qk_norm is not None and cfg.qk_norm_whole:
+            q_size = heads * cfg.head_dim
+            for part, w in ((qkv[:, :heads], layer.qk_norm[:q_size]), (qkv[:, heads:heads + kv_heads], layer.qk_norm[q_size:])):
+                flat = part.reshape(n, -1)  # a view: a row's heads are adjacent
+                flat.copy_(rms_norm(flat, w, cfg.rms_norm_eps))
+        elif layer.qk_norm is not None:
             qk.copy_(rms_norm(qk, layer.qk_norm, cfg.rms_norm_eps))
+        if cfg.clip_qkv is not None:
+            qkv.clamp_(-cfg.clip_qkv, cfg.clip_qkv)
         if layer.qk_scale is not None:
             qk.mul_(layer.qk_scale)
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
@@ -258,5 +271,7 @@ class DecoderModel:
         return linear(attn.reshape(n, self.q_size), layer.o)
 
     def _mlp(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        if layer.moe is not None:
+            return moe_mlp(h, layer.moe, silu_mul)
         gated = gated_mlp_input(h, layer.gate_up)
         return linear(silu_mul(linear(h, layer.gate_up)) if gated is None else gated, layer.down)

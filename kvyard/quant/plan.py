@@ -38,9 +38,12 @@ def linear_units(cfg: ModelConfig) -> list[Unit]:
         units += [
             Unit(p + "self_attn.qkv", tuple(p + f"self_attn.{x}_proj" for x in "qkv"), h * (q + 2 * kv), i, "qkv"),
             Unit(p + "self_attn.o_proj", (p + "self_attn.o_proj",), q * h, i, "o"),
-            Unit(p + "mlp.gate_up", (p + "mlp.gate_proj", p + "mlp.up_proj"), 2 * h * inter, i, "gate_up"),
-            Unit(p + "mlp.down_proj", (p + "mlp.down_proj",), inter * h, i, "down"),
         ]
+        if not cfg.is_sparse(i):  # a Mixture-of-Experts layer's experts stay in the model's dtype for now
+            units += [
+                Unit(p + "mlp.gate_up", (p + "mlp.gate_proj", p + "mlp.up_proj"), 2 * h * inter, i, "gate_up"),
+                Unit(p + "mlp.down_proj", (p + "mlp.down_proj",), inter * h, i, "down"),
+            ]
     units.append(Unit("lm_head", ("lm_head",), cfg.vocab_size * h, None, "lm_head"))
     return units
 

@@ -19,7 +19,8 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 LOGIT_ATOL = 1e-4  # 140x the fp32 rounding measured, 14x under a 1% error in one layer
 ARCHS = [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False), ("qwen2", True), ("qwen3", False),
          # sliding windows of 7 positions (every layer; two of Gemma's three), shorter than most prompts
-         ("mistral-sliding", False), ("gemma3_text", True)]
+         ("mistral-sliding", False), ("gemma3_text", True),
+         ("qwen2_moe", False), ("qwen3_moe", False), ("mixtral", False), ("olmoe", False)]
 
 # Engine settings that must not change a single greedy token.
 MODES = {

@@ -1,0 +1,106 @@
+"""Mixture-of-Experts MLPs: a router picks top-k experts per token; experts run as grouped matmuls.
+
+The experts of a layer are stacked ([experts, in, out] per projection). A step sorts its (token, expert) pairs
+by expert and runs each projection as one `torch._grouped_mm` over the sorted rows, so neither tokens nor
+experts are looped over in Python. The sums follow transformers' order (each token's experts added in
+ascending expert order), so fp32 outputs match its reference loop.
+
+Routers as the families define them (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE): softmax over the router logits
+in fp32, top-k, renormalised over the k when `norm_topk_prob`, cast to the model's dtype. Qwen2-MoE adds a
+shared expert scaled by sigmoid(shared_expert_gate(x)).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvyard.models.config import ModelConfig
+
+
+@dataclass
+class SharedExpert:
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+    gate: torch.Tensor  # [1, hidden]: sigmoid of it scales the shared expert's output
+
+
+@dataclass
+class MoeWeights:
+    router: torch.Tensor  # [experts, hidden]
+    gate_up: torch.Tensor  # [experts, hidden, 2 * intermediate] (a transposed view of gate|up rows)
+    down: torch.Tensor  # [experts, intermediate, hidden]
+    top_k: int
+    norm_topk_prob: bool
+    shared: SharedExpert | None = None
+    # Tokens routed to each expert since the counters were last read (kvyard_moe_* metrics).
+    tokens_per_expert: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.shape[0]
+
+
+def expert_tensor_names(cfg: ModelConfig, layer: int) -> tuple[str, list[tuple[str, str, str]], list[str]]:
+    """A sparse layer's checkpoint names: its router, each expert's (gate, up, down), and the shared expert's
+    (gate, up, down, its gate) where the family has one. Mixtral keeps w1 (gate), w3 (up), w2 (down)."""
+    if cfg.model_type == "mixtral":
+        b = f"model.layers.{layer}.block_sparse_moe."
+        experts = [tuple(f"{b}experts.{j}.{w}.weight" for w in ("w1", "w3", "w2")) for j in range(cfg.num_experts)]
+    else:
+        b = f"model.layers.{layer}.mlp."
+        experts = [tuple(f"{b}experts.{j}.{w}_proj.weight" for w in ("gate", "up", "down"))
+                   for j in range(cfg.num_experts)]
+    shared = []
+    if cfg.shared_expert_intermediate_size:
+        shared = [f"{b}shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")] + [f"{b}shared_expert_gate.weight"]
+    return b + "gate.weight", experts, shared  # type: ignore[return-value]
+
+
+def load_moe(cfg: ModelConfig, layer: int, take: Callable[[str], torch.Tensor]) -> MoeWeights:
+    router, expert_names, shared_names = expert_tensor_names(cfg, layer)
+    gates, ups, downs = zip(*[[take(n) for n in names] for names in expert_names], strict=True)
+    gate_up, down = stack_experts(list(gates), list(ups), list(downs))
+    shared = None
+    if shared_names:
+        g, u, d, gate = (take(n) for n in shared_names)
+        shared = SharedExpert(torch.cat([g, u]).contiguous(), d, gate)
+    return MoeWeights(take(router), gate_up, down, cfg.num_experts_per_tok, cfg.norm_topk_prob, shared)
+
+
+def stack_experts(gates: list[torch.Tensor], ups: list[torch.Tensor], downs: list[torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert HF weights ([out, in] each) as the grouped matmuls take them: x @ gate_up[e], h @ down[e]."""
+    gate_up = torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups, strict=True)])  # [E, 2I, H]
+    down = torch.stack(downs)  # [E, H, I]
+    return gate_up.transpose(1, 2), down.transpose(1, 2)
+
+
+def route(x: torch.Tensor, moe: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top-k experts and their weights (in x's dtype), as the HF routers compute them."""
+    probs = torch.softmax(F.linear(x, moe.router), dim=-1, dtype=torch.float)
+    weights, experts = probs.topk(moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), experts
+
+
+def moe_mlp(x: torch.Tensor, moe: MoeWeights, act_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The MoE MLP of rows x [tokens, hidden]; `act_mul` is the family's act(gate) * up on [rows, 2 * inter]."""
+    weights, experts = route(x, moe)
+    flat = experts.flatten()
+    order = flat.argsort(stable=True)  # (token, expert) pairs grouped by expert, ascending; tokens in order
+    counts = torch.bincount(flat, minlength=moe.num_experts)
+    moe.tokens_per_expert = counts if moe.tokens_per_expert.numel() == 0 else moe.tokens_per_expert + counts
+    offsets = counts.cumsum(0).to(torch.int32)
+    token = order // moe.top_k
+    h = act_mul(torch._grouped_mm(x[token], moe.gate_up, offs=offsets))
+    y = torch._grouped_mm(h, moe.down, offs=offsets).mul_(weights.flatten()[order].unsqueeze(1))
+    # index_add_ walks the rows in order, so each token's experts are added in ascending expert order.
+    out = torch.zeros_like(x).index_add_(0, token, y)
+    if moe.shared is not None:
+        s = moe.shared
+        shared = F.linear(act_mul(F.linear(x, s.gate_up)), s.down)
+        out += torch.sigmoid(F.linear(x, s.gate)) * shared
+    return out
