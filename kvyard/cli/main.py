@@ -1,4 +1,4 @@
-"""`kvyard` command line: generate, serve, route, up, quantize, fetch, bench."""
+"""`kvyard` command line: generate, serve, route, up, quantize, moe, fetch, bench."""
 
 import argparse
 import sys
@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_route_parsers(sub)
     add_quantize_parser(sub)
     add_speculator_parser(sub)
+
+    from kvyard.models.moe_split import add_moe_parser
+
+    add_moe_parser(sub)
 
     fetch = sub.add_parser("fetch", help="download and verify a known model, print its path")
     fetch.add_argument("name", nargs="?", default="smollm2-135m")
