@@ -104,3 +104,14 @@ def moe_mlp(x: torch.Tensor, moe: MoeWeights, act_mul: Callable[[torch.Tensor], 
         shared = F.linear(act_mul(F.linear(x, s.gate_up)), s.down)
         out += torch.sigmoid(F.linear(x, s.gate)) * shared
     return out
+
+
+def routing_stats(moes: list[MoeWeights]) -> tuple[tuple[int, ...], float]:
+    """Tokens routed to each expert so far, summed over the layers, and the imbalance: per layer the busiest
+    expert's tokens over the mean expert's, averaged over the layers (1.0 is perfectly even)."""
+    counts = [m.tokens_per_expert for m in moes if m.tokens_per_expert.numel()]
+    if not counts:
+        return (), 0.0
+    stacked = torch.stack(counts)  # [layers, experts]
+    per_layer = stacked.max(dim=1).values / stacked.float().mean(dim=1).clamp(min=1e-9)
+    return tuple(stacked.sum(dim=0).tolist()), float(per_layer.mean())

@@ -42,6 +42,7 @@ from kvyard.engine.kv_events import KVEvent
 from kvyard.engine.kv_handoff import HeldKV
 from kvyard.engine.llm_engine import LLMEngine
 from kvyard.errors import EngineDeadError, KvyardError
+from kvyard.models.moe import routing_stats
 from kvyard.outputs import RequestOutput
 from kvyard.sampling_params import SamplingParams
 
@@ -88,6 +89,9 @@ class EngineStats:
     spec_verify_steps: int = 0
     spec_emitted_tokens: int = 0
     spec_drafter_seconds: float = 0.0
+    # Mixture of Experts (kvyard/models/moe.py): tokens routed to each expert, summed over layers, and imbalance
+    moe_expert_tokens: tuple[int, ...] = ()
+    moe_imbalance: float = 0.0
 
 
 @dataclass
@@ -433,6 +437,10 @@ class AsyncEngine:
             num_held_kv=len(eng.held),
             num_aborted=stats["aborted"],
         )
+        moes = [layer.moe for layer in eng.runner.model.layers if layer.moe is not None]
+        if moes:
+            tokens, imbalance = routing_stats(moes)
+            self._stats = dataclasses.replace(self._stats, moe_expert_tokens=tokens, moe_imbalance=imbalance)
         if eng.spec is not None:
             spec = eng.spec.stats
             self._stats = dataclasses.replace(

@@ -56,6 +56,14 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("kvyard_spec_emitted_tokens", "Tokens emitted by request steps that verified drafts",
                                   value=s.spec_emitted_tokens)
         yield CounterMetricFamily("kvyard_spec_drafter_seconds", "Time spent drafting", value=s.spec_drafter_seconds)
+        if s.moe_expert_tokens:
+            routed = CounterMetricFamily("kvyard_moe_expert_tokens", "Tokens routed to each expert, summed over the "
+                                         "MoE layers", labels=["expert"])
+            for expert, tokens in enumerate(s.moe_expert_tokens):
+                routed.add_metric([str(expert)], tokens)
+            yield routed
+            yield GaugeMetricFamily("kvyard_moe_imbalance", "Per MoE layer, the busiest expert's routed tokens "
+                                    "over the mean expert's, averaged over the layers (1 = even)", value=s.moe_imbalance)
         yield CounterMetricFamily("kvyard_num_steps", "Engine steps", value=s.num_steps)
         yield CounterMetricFamily("kvyard_engine_step_seconds", "Time inside engine steps (the rest of the engine "
                                   "thread's time goes to HTTP, queues and the GIL)", value=s.step_seconds)
