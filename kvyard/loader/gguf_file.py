@@ -36,7 +36,12 @@ GGUF_ARCHITECTURES = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
-}
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+}  # not olmoe: transformers, which builds kvyard's GGUF tokenizers, does not read its files
+# llama.cpp's MoE graphs renormalise the chosen experts' weights for these architectures (Mixtral is `llama`
+# with experts); `{arch}.expert_weights_norm` overrides where a file has it.
+_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False}
 # Architectures whose converter applies llama.cpp's q/k row permutation.
 _PERMUTED_QK = {"llama"}
 
@@ -65,6 +70,16 @@ _LAYER_TENSORS_BY_ARCH = {"gemma3": _GEMMA3_LAYER_TENSORS}
 # llama.cpp's converter stores Gemma's norm weights w as 1 + w (its kernels multiply by the weight alone);
 # transformers subtracts the 1 again when it reads them, and so does kvyard, so both round alike.
 _NORM_SHIFT = {"gemma3": 1.0}
+# MoE layers: the router and qwen2moe's shared expert by name; the experts of each projection stacked in one
+# 3-D tensor (`ffn_gate_exps`: [experts, out, in] in torch order), split into HF's per-expert tensors on reading.
+_MOE_LAYER_TENSORS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_EXPERT_STACKS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 # HF config key <- `{arch}.<suffix>` metadata key.
@@ -80,6 +95,10 @@ _ARCH_KEYS = {
     "head_dim": "attention.key_length",
     "vocab_size": "vocab_size",
     "sliding_window": "attention.sliding_window",
+    "num_experts": "expert_count",
+    "num_experts_per_tok": "expert_used_count",
+    "moe_intermediate_size": "expert_feed_forward_length",
+    "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
 }
 _REQUIRED_ARCH_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
 
@@ -90,10 +109,24 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     if stem in _GLOBAL_TENSORS and kind == "weight":
         return f"{_GLOBAL_TENSORS[stem]}.weight"
     m = _LAYER_RE.fullmatch(gguf_name)
-    layer_tensors = _LAYER_TENSORS_BY_ARCH.get(arch, _LAYER_TENSORS)
+    layer_tensors = {**_LAYER_TENSORS_BY_ARCH.get(arch, _LAYER_TENSORS), **_MOE_LAYER_TENSORS}
     if m and m.group(2) in layer_tensors:
         return f"model.layers.{m.group(1)}.{layer_tensors[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in _EXPERT_STACKS:  # one name per expert: `{e}` filled in by _stream
+        return f"model.layers.{m.group(1)}.mlp.experts.{{e}}.{_EXPERT_STACKS[m.group(2)]}_proj.weight"
     return None
+
+
+def _mixtral_name(hf_name: str) -> str:
+    """Mixtral's names for an MoE layer's tensors: block_sparse_moe, and w1 / w3 / w2 for gate / up / down."""
+    if ".mlp.gate.weight" in hf_name:
+        return hf_name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+    if ".mlp.experts." not in hf_name:
+        return hf_name
+    name = hf_name.replace(".mlp.experts.", ".block_sparse_moe.experts.")
+    for ours, theirs in ((".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2.")):
+        name = name.replace(ours, theirs)
+    return name
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -169,6 +202,8 @@ def hf_config_from_gguf(reader: GGUFReader, path: Path) -> dict[str, Any]:
     for hf_key, suffix in _ARCH_KEYS.items():
         if (v := meta.get(f"{arch}.{suffix}")) is not None:
             cfg[hf_key] = v
+    if cfg.get("num_experts"):
+        _moe_config(cfg, meta, arch, names)
     if "vocab_size" not in cfg:
         cfg["vocab_size"] = _vocab_size(reader, path)
     cfg["tie_word_embeddings"] = "output.weight" not in names
@@ -185,6 +220,16 @@ def hf_config_from_gguf(reader: GGUFReader, path: Path) -> dict[str, Any]:
     if "tokenizer.ggml.padding_token_id" in meta:
         cfg["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
     return cfg
+
+
+def _moe_config(cfg: dict[str, Any], meta: dict[str, Any], arch: str, names: set[str]) -> None:
+    """The MoE settings HF configs carry, from the expert metadata and which layers have a router."""
+    if arch == "llama":  # Mixtral is llama with experts
+        cfg.update(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=cfg["num_experts"])
+        cfg["intermediate_size"] = cfg.pop("moe_intermediate_size", cfg["intermediate_size"])
+    cfg["norm_topk_prob"] = bool(meta.get(f"{arch}.expert_weights_norm", _NORM_TOPK.get(arch, False)))
+    cfg["mlp_only_layers"] = [i for i in range(int(cfg["num_hidden_layers"]))
+                              if f"blk.{i}.ffn_gate_inp.weight" not in names]
 
 
 def _vocab_size(reader: GGUFReader, path: Path) -> int:
@@ -259,7 +304,13 @@ def _stream(
                     tensor = tensor - norm_shift
         except (ValueError, NotImplementedError, OSError) as e:
             raise CheckpointError(f"{path}: cannot read tensor {t.name} ({type(e).__name__}: {e})") from e
-        yield hf_name, tensor
+        if "{e}" in hf_name:  # a stack of experts: one HF tensor each
+            for e in range(tensor.shape[0]):
+                yield hf_name.format(e=e), tensor[e]
+        elif hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
+            yield hf_name, tensor.unsqueeze(0)  # llama.cpp keeps it as a vector, HF as a [1, hidden] linear
+        else:
+            yield hf_name, tensor
 
 
 def load_gguf_tokenizer(path: Path, reader: GGUFReader) -> Any:
@@ -313,9 +364,12 @@ def load_gguf(path: str | Path) -> Checkpoint:
     plan = []
     for t in reader.tensors:
         hf_name = hf_tensor_name(t.name, arch)
-        if hf_name in wanted:
+        if hf_name is not None and config.model_type == "mixtral":
+            hf_name = _mixtral_name(hf_name)
+        if hf_name in wanted or (hf_name is not None and hf_name.format(e=0) in wanted):
             plan.append((hf_name, t, _permute_heads(arch, hf_name, config)))
-    check_tensor_names((name for name, _, _ in plan), config, str(path), f"{arch} (GGUF)")
+    present = (n.format(e=e) for n, _, _ in plan for e in range(config.num_experts or 1))
+    check_tensor_names(present, config, str(path), f"{arch} (GGUF)")
     _check_types([t for _, t, _ in plan], path, arch)
     tokenizer = load_gguf_tokenizer(path, reader)
     types = {name: t.tensor_type for name, t, _ in plan}

@@ -34,11 +34,42 @@ _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight"
 _GLOBAL["lm_head.weight"] = "output.weight"
 
 
+# Mixture of Experts, after llama.cpp's converter: the router, each projection's experts stacked into one 3-D
+# tensor, and qwen2moe's shared expert.
+_MOE_LAYER = {
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+_EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+_MOE_ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+
+
+def stack_experts(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-expert HF tensors (`...experts.{e}.{proj}.weight`) replaced by llama.cpp's `blk.N.ffn_{gate,up,down}_exps`."""
+    out, stacks = {}, {}
+    for name, t in state.items():
+        parts = name.split(".")
+        if "experts" in parts:
+            layer, e, proj = parts[2], int(parts[parts.index("experts") + 1]), parts[-2]
+            stacks.setdefault(f"blk.{layer}.ffn_{_EXPERT_PROJ[proj]}_exps.weight", {})[e] = t
+        else:
+            out[name] = t
+    for gname, experts in stacks.items():
+        out[gname] = np.stack([experts[e] for e in sorted(experts)])
+    return out
+
+
 def gguf_name(hf_name: str) -> str:
+    if hf_name.startswith("blk."):  # already llama.cpp's (stacked experts)
+        return hf_name
     if hf_name in _GLOBAL:
         return _GLOBAL[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
-    return f"blk.{layer}.{_LAYER[rest]}"
+    return f"blk.{layer}.{_LAYER.get(rest) or _MOE_LAYER[rest]}"
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
@@ -103,7 +134,7 @@ def write_tiny_gguf(
     more keys (floats as float32, ints as int32, e.g. `general.sampling.*`).
     """
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = arch or cfg["model_type"]
+    arch = arch or _MOE_ARCH.get(cfg["model_type"], cfg["model_type"])
     w = GGUFWriter(out, arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
@@ -118,10 +149,17 @@ def write_tiny_gguf(
     if cfg.get("head_dim"):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     _add_tokenizer(w, hf_dir, cfg)
     for key, value in (metadata or {}).items():
         (w.add_int32 if isinstance(value, int) else w.add_float32)(key, value)
-    for hf, t in hf_state_dict(hf_dir).items():
+    for hf, t in stack_experts(hf_state_dict(hf_dir)).items():
         name = gguf_name(hf)
         if name in drop:
             continue
@@ -132,7 +170,9 @@ def write_tiny_gguf(
             t = llama_cpp_permute(t, cfg["num_attention_heads"])
         elif arch == "llama" and name.endswith("attn_k.weight"):
             t = llama_cpp_permute(t, cfg["num_attention_heads"], cfg["num_key_value_heads"])
-        data, raw = encode(t, (qtypes or {}).get(name, qtype) if t.ndim == 2 else Q.F32)
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            t = t.reshape(-1)  # llama.cpp keeps the shared expert's gate as a vector
+        data, raw = encode(t, (qtypes or {}).get(name, qtype) if t.ndim >= 2 else Q.F32)
         w.add_tensor(name, data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
