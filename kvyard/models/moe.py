@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvyard.errors import ConfigError
 from kvyard.models.config import ModelConfig
+from kvyard.quant.qtensor import QuantizedTensor
 
 
 @dataclass
@@ -27,10 +29,42 @@ class SharedExpert:
 
 
 @dataclass
+class LowBitExperts:
+    """One projection of every expert in low-bit codes (weight-only `--quantization`): a scale (and zero point)
+    per group of `group` input columns. Dequantized for the step's grouped matmul, all experts at once."""
+
+    q: torch.Tensor  # int8 [experts, out, in]
+    scale: torch.Tensor  # float32 [experts, out, groups]
+    zero_point: torch.Tensor | None  # [experts, out, groups], asymmetric schemes
+    group: int
+    dtype: torch.dtype
+
+    @classmethod
+    def stack(cls, parts: list[QuantizedTensor], dtype: torch.dtype) -> "LowBitExperts":
+        if any(p.outliers is not None for p in parts):
+            raise ConfigError("experts keep no outlier columns; quantize them without", param="quantization")
+        zps = [p.zero_point for p in parts]
+        return cls(torch.stack([p.q for p in parts]), torch.stack([p.scale for p in parts]),
+                   None if zps[0] is None else torch.stack(zps), parts[0].group_size, dtype)  # type: ignore[misc]
+
+    def dequantize(self) -> torch.Tensor:
+        """[experts, in, out] in the model's dtype, as the grouped matmul takes it."""
+        k = self.q.shape[-1]
+        q = self.q.float()
+        if self.zero_point is not None:
+            q -= self.zero_point.float().repeat_interleave(self.group, dim=-1)[..., :k]
+        w = q.mul_(self.scale.repeat_interleave(self.group, dim=-1)[..., :k])
+        return w.to(self.dtype).transpose(1, 2)
+
+
+Experts = torch.Tensor | LowBitExperts
+
+
+@dataclass
 class MoeWeights:
     router: torch.Tensor  # [experts, hidden]
-    gate_up: torch.Tensor  # [experts, hidden, 2 * intermediate] (a transposed view of gate|up rows)
-    down: torch.Tensor  # [experts, intermediate, hidden]
+    gate_up: Experts  # [experts, hidden, 2 * intermediate] (a transposed view of gate|up rows), or low-bit
+    down: Experts  # [experts, intermediate, hidden]
     top_k: int
     norm_topk_prob: bool
     shared: SharedExpert | None = None
@@ -58,10 +92,16 @@ def expert_tensor_names(cfg: ModelConfig, layer: int) -> tuple[str, list[tuple[s
     return b + "gate.weight", experts, shared  # type: ignore[return-value]
 
 
-def load_moe(cfg: ModelConfig, layer: int, take: Callable[[str], torch.Tensor]) -> MoeWeights:
+def load_moe(cfg: ModelConfig, layer: int, take: Callable[[str], torch.Tensor], dtype: torch.dtype) -> MoeWeights:
     router, expert_names, shared_names = expert_tensor_names(cfg, layer)
     gates, ups, downs = zip(*[[take(n) for n in names] for names in expert_names], strict=True)
-    gate_up, down = stack_experts(list(gates), list(ups), list(downs))
+    gate_up: Experts
+    down: Experts
+    if isinstance(gates[0], QuantizedTensor):
+        gate_up = LowBitExperts.stack([QuantizedTensor.cat([g, u]) for g, u in zip(gates, ups, strict=True)], dtype)
+        down = LowBitExperts.stack(list(downs), dtype)
+    else:
+        gate_up, down = stack_experts(list(gates), list(ups), list(downs))
     shared = None
     if shared_names:
         g, u, d, gate = (take(n) for n in shared_names)
@@ -95,8 +135,8 @@ def moe_mlp(x: torch.Tensor, moe: MoeWeights, act_mul: Callable[[torch.Tensor], 
     moe.tokens_per_expert = counts if moe.tokens_per_expert.numel() == 0 else moe.tokens_per_expert + counts
     offsets = counts.cumsum(0).to(torch.int32)
     token = order // moe.top_k
-    h = act_mul(torch._grouped_mm(x[token], moe.gate_up, offs=offsets))
-    y = torch._grouped_mm(h, moe.down, offs=offsets).mul_(weights.flatten()[order].unsqueeze(1))
+    h = act_mul(torch._grouped_mm(x[token], _dense(moe.gate_up), offs=offsets))
+    y = torch._grouped_mm(h, _dense(moe.down), offs=offsets).mul_(weights.flatten()[order].unsqueeze(1))
     # index_add_ walks the rows in order, so each token's experts are added in ascending expert order.
     out = torch.zeros_like(x).index_add_(0, token, y)
     if moe.shared is not None:
@@ -104,6 +144,10 @@ def moe_mlp(x: torch.Tensor, moe: MoeWeights, act_mul: Callable[[torch.Tensor], 
         shared = F.linear(act_mul(F.linear(x, s.gate_up)), s.down)
         out += torch.sigmoid(F.linear(x, s.gate)) * shared
     return out
+
+
+def _dense(w: Experts) -> torch.Tensor:
+    return w.dequantize() if isinstance(w, LowBitExperts) else w
 
 
 def routing_stats(moes: list[MoeWeights]) -> tuple[tuple[int, ...], float]:

@@ -14,6 +14,7 @@ import torch
 
 from kvyard.errors import CheckpointError
 from kvyard.models.config import ModelConfig
+from kvyard.models.moe import expert_tensor_names
 from kvyard.quant.qtensor import QuantizedTensor
 from kvyard.quant.scheme import WeightScheme
 
@@ -66,7 +67,14 @@ def plan_for_units(units: Iterable[Unit], scheme: WeightScheme) -> Plan:
 
 def uniform_plan(cfg: ModelConfig, scheme: WeightScheme, protect: Iterable[str] = DEFAULT_PROTECT) -> Plan:
     protect = tuple(protect)
-    return plan_for_units([u for u in linear_units(cfg) if not is_protected(u, protect)], scheme)
+    plan = plan_for_units([u for u in linear_units(cfg) if not is_protected(u, protect)], scheme)
+    # Mixture-of-Experts weights: every expert's projections (kvyard/models/moe.py stacks their codes), not the
+    # router or the shared expert's gate, which are small and steer every token.
+    for layer in (i for i in range(cfg.num_layers) if cfg.is_sparse(i)):
+        _, experts, _ = expert_tensor_names(cfg, layer)
+        names = [n.removesuffix(".weight") for e in experts for n in e]
+        plan.update({n: scheme for n in names if not any(p in n for p in protect)})
+    return plan
 
 
 def quantize_stream(

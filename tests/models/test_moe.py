@@ -55,3 +55,34 @@ def test_every_routed_token_is_counted_once_per_expert():
     moe_mlp(torch.randn(10, HIDDEN), moe, silu_mul)
     moe_mlp(torch.randn(5, HIDDEN), moe, silu_mul)
     assert moe.tokens_per_expert.shape == (EXPERTS,) and int(moe.tokens_per_expert.sum()) == 2 * 15
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32-asym"])
+def test_low_bit_experts_keep_codes_and_stay_close(tiny_checkpoint, scheme):
+    from kvyard import LLM
+    from kvyard.models.moe import LowBitExperts
+
+    path = str(tiny_checkpoint("qwen3_moe"))
+    dense, low = LLM(path, dtype="float32"), LLM(path, dtype="float32", quantization=scheme)
+    moes = [layer.moe for layer in low.engine.runner.model.layers if layer.moe is not None]
+    assert moes and all(isinstance(m.gate_up, LowBitExperts) and m.gate_up.q.dtype == torch.int8 for m in moes)
+    assert moes[0].gate_up.q.shape == (4, 2 * 32, 64)  # experts, gate|up rows, hidden
+    prompt = low.tokenizer("The quick brown fox jumps").input_ids
+    ours, ref = low.engine.compute_logits(prompt), dense.engine.compute_logits(prompt)
+    # Rounding error only (every linear weight is low-bit here, experts or not): the logits move by a fraction of
+    # their spread (two unrelated models differ by about 1.4 spreads), and the top choice stays.
+    assert (ours - ref).abs().max().item() < (0.05 if scheme == "int8" else 0.5) * ref.std().item()
+    assert ours.argmax() == ref.argmax()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32-asym", "int4-g64"])
+def test_stacked_codes_dequantize_as_each_expert_does(scheme):
+    from kvyard.models.moe import LowBitExperts
+    from kvyard.quant.qtensor import QuantizedTensor
+    from kvyard.quant.scheme import parse_weight_scheme
+
+    torch.manual_seed(1)
+    parts = [QuantizedTensor.quantize(torch.randn(24, 80), parse_weight_scheme(scheme)) for _ in range(3)]
+    stacked = LowBitExperts.stack(parts, torch.float32).dequantize()  # [experts, in, out]
+    for e, part in enumerate(parts):
+        torch.testing.assert_close(stacked[e], part.dequantize().T, atol=0, rtol=0)
