@@ -120,10 +120,9 @@ def test_echo_returns_the_prompt_and_its_logprobs(client, oracle):
     assert c.text.startswith(PROMPT) and len(c.text) > len(PROMPT)
     lp = c.logprobs
     assert len(lp.tokens) == len(ids) + 3
-    # Unseeded samples of a random model can end mid-character: the logprobs show that last token as U+FFFD,
-    # the text leaves it out (as kvyard's detokenizer does for any incomplete character at the end).
-    joined = "".join(lp.tokens)
-    assert joined.startswith(c.text) and set(joined[len(c.text):]) <= {"\ufffd"}
+    # The prompt's tokens spell the prompt. The 3 sampled ones are left unchecked as text: unseeded samples of a
+    # random model can be special tokens (in the logprobs, not in the text) or half a character (U+FFFD there).
+    assert "".join(lp.tokens[: len(ids)]) == PROMPT
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
     for p in range(1, len(ids)):
         assert lp.token_logprobs[p] == pytest.approx(float(logprobs[p - 1, ids[p]]), abs=1e-4)
