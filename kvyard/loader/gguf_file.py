@@ -58,28 +58,30 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-}
-# Gemma 3 names its norms otherwise: ffn_norm is the one before the MLP, and two more norm the outputs.
-_GEMMA3_LAYER_TENSORS = {
-    **_LAYER_TENSORS,
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_LAYER_TENSORS_BY_ARCH = {"gemma3": _GEMMA3_LAYER_TENSORS}
-# llama.cpp's converter stores Gemma's norm weights w as 1 + w (its kernels multiply by the weight alone);
-# transformers subtracts the 1 again when it reads them, and so does kvyard, so both round alike.
-_NORM_SHIFT = {"gemma3": 1.0}
-# MoE layers: the router and qwen2moe's shared expert by name; the experts of each projection stacked in one
-# 3-D tensor (`ffn_gate_exps`: [experts, out, in] in torch order), split into HF's per-expert tensors on reading.
-_MOE_LAYER_TENSORS = {
+    # MoE layers: the router and qwen2moe's shared expert; each projection's experts stacked in one 3-D tensor
+    # (`ffn_gate_exps`: [experts, out, in] in torch order), split into HF's per-expert tensors (`{e}`) by _stream.
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
 }
-_EXPERT_STACKS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+# Families whose HF names differ, by HF model type (Mixtral's GGUF architecture is `llama`, so the model type
+# the metadata gives, not the architecture, decides). Gemma 3: ffn_norm is the norm before the MLP, and two
+# more norm the attention's and the MLP's outputs. Mixtral: block_sparse_moe, and w1 / w3 / w2.
+_LAYER_TENSORS_BY_TYPE = {
+    "gemma3_text": {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+                    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "mixtral": {**_LAYER_TENSORS, "ffn_gate_inp": "block_sparse_moe.gate",
+                "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1", "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+                "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"},
+}
+# llama.cpp's converter stores Gemma's norm weights w as 1 + w (its kernels multiply by the weight alone);
+# transformers subtracts the 1 again when it reads them, and so does kvyard, so both round alike.
+_NORM_SHIFT = {"gemma3": 1.0}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 # HF config key <- `{arch}.<suffix>` metadata key.
@@ -103,30 +105,17 @@ _ARCH_KEYS = {
 _REQUIRED_ARCH_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
 
 
-def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """The HF parameter name for a GGUF tensor name, or None for tensors the model does not use."""
+def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
+    """The HF parameter name for a GGUF tensor name, or None for tensors the model does not use. A stack of
+    experts gets one name with `{e}` where the expert's index goes."""
     stem, _, kind = gguf_name.rpartition(".")
     if stem in _GLOBAL_TENSORS and kind == "weight":
         return f"{_GLOBAL_TENSORS[stem]}.weight"
     m = _LAYER_RE.fullmatch(gguf_name)
-    layer_tensors = {**_LAYER_TENSORS_BY_ARCH.get(arch, _LAYER_TENSORS), **_MOE_LAYER_TENSORS}
+    layer_tensors = _LAYER_TENSORS_BY_TYPE.get(model_type, _LAYER_TENSORS)
     if m and m.group(2) in layer_tensors:
         return f"model.layers.{m.group(1)}.{layer_tensors[m.group(2)]}.{m.group(3)}"
-    if m and m.group(2) in _EXPERT_STACKS:  # one name per expert: `{e}` filled in by _stream
-        return f"model.layers.{m.group(1)}.mlp.experts.{{e}}.{_EXPERT_STACKS[m.group(2)]}_proj.weight"
     return None
-
-
-def _mixtral_name(hf_name: str) -> str:
-    """Mixtral's names for an MoE layer's tensors: block_sparse_moe, and w1 / w3 / w2 for gate / up / down."""
-    if ".mlp.gate.weight" in hf_name:
-        return hf_name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
-    if ".mlp.experts." not in hf_name:
-        return hf_name
-    name = hf_name.replace(".mlp.experts.", ".block_sparse_moe.experts.")
-    for ours, theirs in ((".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2.")):
-        name = name.replace(ours, theirs)
-    return name
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -363,9 +352,7 @@ def load_gguf(path: str | Path) -> Checkpoint:
     wanted = set(expected_tensor_names(config))
     plan = []
     for t in reader.tensors:
-        hf_name = hf_tensor_name(t.name, arch)
-        if hf_name is not None and config.model_type == "mixtral":
-            hf_name = _mixtral_name(hf_name)
+        hf_name = hf_tensor_name(t.name, config.model_type)
         if hf_name in wanted or (hf_name is not None and hf_name.format(e=0) in wanted):
             plan.append((hf_name, t, _permute_heads(arch, hf_name, config)))
     present = (n.format(e=e) for n, _, _ in plan for e in range(config.num_experts or 1))

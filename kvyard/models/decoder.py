@@ -172,7 +172,7 @@ class DecoderModel:
             gate_up=None if sparse else weight(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", gate_up=True),
             down=None if sparse else weight(p + "mlp.down_proj.weight"),
             window=cfg.layer_windows[i] if cfg.layer_windows else None,
-            moe=load_moe(cfg, i, take, self.dtype) if sparse else None,
+            moe=load_moe(cfg, i, take, weight, self.dtype) if sparse else None,
         )
 
     def weight_tensors(self) -> Iterator[torch.Tensor]:

@@ -36,6 +36,7 @@ class Gemma3Model(DecoderModel):
         super().__init__(cfg, dtype, device, max_positions, max_rows)
         local = replace(cfg, rope_theta=cfg.local_rope_theta or cfg.rope_theta, rope_scaling=None)
         self.local_rope = RotaryTable(local, max_positions, device)
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device=device)  # rounded as HF's is
 
     # ---- loading -------------------------------------------------------------------------------------
 
@@ -58,7 +59,7 @@ class Gemma3Model(DecoderModel):
     # ---- forward -------------------------------------------------------------------------------------
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed) * torch.tensor(self.cfg.hidden_size**0.5, dtype=self.dtype)
+        return F.embedding(input_ids, self.embed) * self.embed_scale
 
     def rotary(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         full, local = self.rope.lookup(positions, self.dtype), self.local_rope.lookup(positions, self.dtype)

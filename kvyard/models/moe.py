@@ -18,13 +18,14 @@ import torch.nn.functional as F
 
 from kvyard.errors import ConfigError
 from kvyard.models.config import ModelConfig
+from kvyard.models.linear import Weight, linear
 from kvyard.quant.qtensor import QuantizedTensor
 
 
 @dataclass
 class SharedExpert:
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Weight  # gate|up [2 * intermediate, hidden], packed for kvyard's kernels as a dense MLP's is
+    down: Weight  # [hidden, intermediate]
     gate: torch.Tensor  # [1, hidden]: sigmoid of it scales the shared expert's output
 
 
@@ -68,8 +69,11 @@ class MoeWeights:
     top_k: int
     norm_topk_prob: bool
     shared: SharedExpert | None = None
-    # Tokens routed to each expert since the counters were last read (kvyard_moe_* metrics).
-    tokens_per_expert: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    # Tokens routed to each expert since the model was loaded (kvyard_moe_* metrics).
+    tokens_per_expert: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long)
 
     @property
     def num_experts(self) -> int:
@@ -92,7 +96,9 @@ def expert_tensor_names(cfg: ModelConfig, layer: int) -> tuple[str, list[tuple[s
     return b + "gate.weight", experts, shared  # type: ignore[return-value]
 
 
-def load_moe(cfg: ModelConfig, layer: int, take: Callable[[str], torch.Tensor], dtype: torch.dtype) -> MoeWeights:
+def load_moe(cfg: ModelConfig, layer: int, take: Callable[[str], torch.Tensor], weight: Callable[..., Weight],
+             dtype: torch.dtype) -> MoeWeights:
+    """`take(name)` pops a checkpoint tensor; `weight(*names, gate_up=)` makes a packed linear weight of some."""
     router, expert_names, shared_names = expert_tensor_names(cfg, layer)
     gates, ups, downs = zip(*[[take(n) for n in names] for names in expert_names], strict=True)
     gate_up: Experts
@@ -104,8 +110,8 @@ def load_moe(cfg: ModelConfig, layer: int, take: Callable[[str], torch.Tensor], 
         gate_up, down = stack_experts(list(gates), list(ups), list(downs))
     shared = None
     if shared_names:
-        g, u, d, gate = (take(n) for n in shared_names)
-        shared = SharedExpert(torch.cat([g, u]).contiguous(), d, gate)
+        g, u, d, gate = shared_names
+        shared = SharedExpert(weight(g, u, gate_up=True), weight(d), take(gate))
     return MoeWeights(take(router), gate_up, down, cfg.num_experts_per_tok, cfg.norm_topk_prob, shared)
 
 
@@ -132,7 +138,7 @@ def moe_mlp(x: torch.Tensor, moe: MoeWeights, act_mul: Callable[[torch.Tensor], 
     flat = experts.flatten()
     order = flat.argsort(stable=True)  # (token, expert) pairs grouped by expert, ascending; tokens in order
     counts = torch.bincount(flat, minlength=moe.num_experts)
-    moe.tokens_per_expert = counts if moe.tokens_per_expert.numel() == 0 else moe.tokens_per_expert + counts
+    moe.tokens_per_expert += counts
     offsets = counts.cumsum(0).to(torch.int32)
     token = order // moe.top_k
     h = act_mul(torch._grouped_mm(x[token], _dense(moe.gate_up), offs=offsets))
@@ -141,7 +147,7 @@ def moe_mlp(x: torch.Tensor, moe: MoeWeights, act_mul: Callable[[torch.Tensor], 
     out = torch.zeros_like(x).index_add_(0, token, y)
     if moe.shared is not None:
         s = moe.shared
-        shared = F.linear(act_mul(F.linear(x, s.gate_up)), s.down)
+        shared = linear(act_mul(linear(x, s.gate_up)), s.down)
         out += torch.sigmoid(F.linear(x, s.gate)) * shared
     return out
 
@@ -153,9 +159,8 @@ def _dense(w: Experts) -> torch.Tensor:
 def routing_stats(moes: list[MoeWeights]) -> tuple[tuple[int, ...], float]:
     """Tokens routed to each expert so far, summed over the layers, and the imbalance: per layer the busiest
     expert's tokens over the mean expert's, averaged over the layers (1.0 is perfectly even)."""
-    counts = [m.tokens_per_expert for m in moes if m.tokens_per_expert.numel()]
-    if not counts:
+    if not moes:
         return (), 0.0
-    stacked = torch.stack(counts)  # [layers, experts]
+    stacked = torch.stack([m.tokens_per_expert for m in moes])  # [layers, experts]
     per_layer = stacked.max(dim=1).values / stacked.float().mean(dim=1).clamp(min=1e-9)
     return tuple(stacked.sum(dim=0).tolist()), float(per_layer.mean())

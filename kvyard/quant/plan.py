@@ -40,7 +40,7 @@ def linear_units(cfg: ModelConfig) -> list[Unit]:
             Unit(p + "self_attn.qkv", tuple(p + f"self_attn.{x}_proj" for x in "qkv"), h * (q + 2 * kv), i, "qkv"),
             Unit(p + "self_attn.o_proj", (p + "self_attn.o_proj",), q * h, i, "o"),
         ]
-        if not cfg.is_sparse(i):  # a Mixture-of-Experts layer's experts stay in the model's dtype for now
+        if not cfg.is_sparse(i):  # a Mixture-of-Experts layer has experts instead (expert_units)
             units += [
                 Unit(p + "mlp.gate_up", (p + "mlp.gate_proj", p + "mlp.up_proj"), 2 * h * inter, i, "gate_up"),
                 Unit(p + "mlp.down_proj", (p + "mlp.down_proj",), inter * h, i, "down"),
@@ -67,14 +67,24 @@ def plan_for_units(units: Iterable[Unit], scheme: WeightScheme) -> Plan:
 
 def uniform_plan(cfg: ModelConfig, scheme: WeightScheme, protect: Iterable[str] = DEFAULT_PROTECT) -> Plan:
     protect = tuple(protect)
-    plan = plan_for_units([u for u in linear_units(cfg) if not is_protected(u, protect)], scheme)
-    # Mixture-of-Experts weights: every expert's projections (kvyard/models/moe.py stacks their codes), not the
-    # router or the shared expert's gate, which are small and steer every token.
-    for layer in (i for i in range(cfg.num_layers) if cfg.is_sparse(i)):
-        _, experts, _ = expert_tensor_names(cfg, layer)
-        names = [n.removesuffix(".weight") for e in experts for n in e]
-        plan.update({n: scheme for n in names if not any(p in n for p in protect)})
-    return plan
+    units = linear_units(cfg) + expert_units(cfg)
+    return plan_for_units([u for u in units if not is_protected(u, protect)], scheme)
+
+
+def expert_units(cfg: ModelConfig) -> list[Unit]:
+    """Every expert's gate|up and down in a Mixture-of-Experts model (kvyard/models/moe.py stacks their codes).
+    Not the router or the shared expert's gate, which are small and steer every token. The uniform plan covers
+    them; the calibrated ones (GPTQ, AWQ), which walk linear_units, do not yet."""
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    units = []
+    for i in (i for i in range(cfg.num_layers) if cfg.is_sparse(i)):
+        _, experts, _ = expert_tensor_names(cfg, i)
+        for e, (gate, up, down) in enumerate(experts):
+            name = f"model.layers.{i}.experts.{e}."
+            members = [n.removesuffix(".weight") for n in (gate, up, down)]
+            units += [Unit(name + "gate_up", tuple(members[:2]), 2 * h * inter, i, "moe"),
+                      Unit(name + "down", (members[2],), inter * h, i, "moe")]
+    return units
 
 
 def quantize_stream(
