@@ -63,6 +63,8 @@ def test_a_burst_scales_to_the_maximum_and_light_load_back_to_the_minimum(ray_cl
     try:
         with running_router(tokenizer, controller, workers=urls, model=str(tiny_path), health_interval=0.2) as router:
             serving = lambda: len(controller.autoscaler.serving())  # noqa: E731
+            # The burst starts once the router has admitted the first replica (CI once sent two requests before)
+            assert wait_until(lambda: [w["status"] for w in router.workers().values()] == ["healthy"], 30)
             burst = StreamLoad(router.url, concurrency=12, max_tokens=150)
             grew = wait_until(lambda: serving() == 3, 150)
             outcomes = burst.stop()
