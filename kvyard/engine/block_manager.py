@@ -23,6 +23,9 @@ from kvyard.engine.request import Request
 # The hashing scheme, named so that a router can check it computes the same hashes (kv handshake).
 HASH_FUNCTION = "sha256(parent|len(salt)|salt|int64 tokens)"
 ROOT_HASH = b"\0" * 32  # the "parent" of a sequence's first block: the scheme's seed
+# A block-table entry whose KV no layer of the pool reads any more (behind a sliding window): it holds no
+# block, and its position in the table is kept so that table index = position // block_size still holds.
+NULL_BLOCK = -1
 
 
 def block_hash(parent: bytes | None, tokens: tuple[int, ...], salt: bytes = b"") -> bytes:
@@ -105,23 +108,38 @@ class BlockManager:
 
     # ---- allocation ----------------------------------------------------------------------------------
 
+    # A request's table and count of committed blocks in this pool (a second pool keeps its own: window_blocks.py)
+
+    def table(self, req: Request) -> list[int]:
+        return req.block_table
+
+    def committed(self, req: Request) -> int:
+        return req.num_committed_blocks
+
+    def set_committed(self, req: Request, n: int) -> None:
+        req.num_committed_blocks = n
+
     def can_fit(self, req: Request, num_tokens: int, hits: Sequence[int] = ()) -> bool:
         """Whether the request's KV can grow to cover `num_tokens` positions, taking `hits` from the cache."""
-        extra = self.blocks_needed(num_tokens) - len(req.block_table) - len(hits)
-        reclaimed = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # hits that are now free blocks
+        extra = self.blocks_needed(num_tokens) - len(self.table(req)) - len(hits)
+        # hits that are now free blocks
+        reclaimed = sum(1 for b in hits if b != NULL_BLOCK and self.blocks[b].ref_count == 0)
         return extra <= self.num_free_blocks - reclaimed
 
     def grow(self, req: Request, num_tokens: int, hits: Sequence[int] = ()) -> None:
+        table = self.table(req)
         for b in hits:
-            self._take(b)
-            req.block_table.append(b)
-        for _ in range(self.blocks_needed(num_tokens) - len(req.block_table)):
-            req.block_table.append(self._pop_free())
+            if b != NULL_BLOCK:
+                self._take(b)
+            table.append(b)
+        for _ in range(self.blocks_needed(num_tokens) - len(table)):
+            table.append(self._pop_free())
 
     def free(self, req: Request) -> None:
-        self.release(req.block_table)
-        req.block_table = []
-        req.num_committed_blocks = 0
+        table = self.table(req)
+        self.release(table)
+        table.clear()
+        self.set_committed(req, 0)
 
     def hold(self, block_ids: Sequence[int]) -> list[int]:
         """One more reference on each block (KV handed to another worker must outlive its request)."""
@@ -132,6 +150,8 @@ class BlockManager:
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference per block; tails go back first, so they are evicted before heads."""
         for b in reversed(block_ids):
+            if b == NULL_BLOCK:
+                continue
             blk = self.blocks[b]
             blk.ref_count -= 1
             if blk.ref_count == 0:
@@ -246,14 +266,17 @@ class BlockManager:
         bs = self.block_size
         full = req.num_computed_tokens // bs
         hashes = self._hashes(req, full)
+        table = self.table(req)
         stored: list[int] = []  # indices of blocks that are new keys of the cache
-        for i in range(req.num_committed_blocks, full):
-            blk = self.blocks[req.block_table[i]]
+        for i in range(self.committed(req), full):
+            if table[i] == NULL_BLOCK:
+                continue
+            blk = self.blocks[table[i]]
             if blk.hash is None:
                 blk.hash, blk.tokens = hashes[i], tuple(req.token_ids[i * bs : (i + 1) * bs])
                 if self.cached.setdefault(blk.hash, blk.block_id) == blk.block_id:
                     stored.append(i)
-        req.num_committed_blocks = max(req.num_committed_blocks, full)
+        self.set_committed(req, max(self.committed(req), full))
         if self.events is not None and stored:
             self._record_stored(req.token_ids, hashes, stored)
 

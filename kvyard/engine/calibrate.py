@@ -59,18 +59,19 @@ def calibrate_step_cost(engine: "LLMEngine", rounds: int = 2) -> None:
 
 def _time_batch(engine: "LLMEngine", spans: list[tuple[int, int]]) -> tuple[float, StepShape | None]:
     blocks = engine.blocks
-    needed = sum(blocks.blocks_needed(start + n) for start, n in spans)
-    if needed > blocks.num_free_blocks or any(start + n > engine.max_model_len for start, n in spans):
-        return 0.0, None  # a small pool or context: calibrate with what fits
+    if any(start + n > engine.max_model_len for start, n in spans):
+        return 0.0, None  # a short context: calibrate with what fits
     batch = ScheduledBatch()
     scratch = []
-    for i, (start, n) in enumerate(spans):
-        req = Request(f"calibration-{i}", [1] * (start + n), SamplingParams(max_tokens=1))
-        req.num_computed_tokens = start
-        blocks.grow(req, start + n)
-        batch.add(req, n)
-        scratch.append(req)
     try:
+        for i, (start, n) in enumerate(spans):
+            req = Request(f"calibration-{i}", [1] * (start + n), SamplingParams(max_tokens=1))
+            if not blocks.can_fit(req, start + n):
+                return 0.0, None  # a small pool: calibrate with what fits
+            req.num_computed_tokens = start
+            blocks.grow(req, start + n)
+            batch.add(req, n)
+            scratch.append(req)
         t0 = time.perf_counter()
         engine.runner.execute(engine.runner.prepare(batch))
         return time.perf_counter() - t0, batch.shape

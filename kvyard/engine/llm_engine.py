@@ -15,7 +15,7 @@ from kvyard.config import EngineConfig
 from kvyard.engine.block_manager import BlockManager
 from kvyard.engine.calibrate import calibrate_step_cost
 from kvyard.engine.host_memory import keep_freed_memory
-from kvyard.engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
+from kvyard.engine.kv_cache import KVGroups, allocate_kv_caches, pool_sizes
 from kvyard.engine.kv_handoff import HeldKV, select_blocks
 from kvyard.engine.model_runner import ModelRunner
 from kvyard.engine.prompt_logprobs import record_prompt_logprobs
@@ -23,6 +23,7 @@ from kvyard.engine.repetition import RepetitionDetector
 from kvyard.engine.request import Request
 from kvyard.engine.sampler import sample
 from kvyard.engine.scheduler import ScheduledBatch, Scheduler
+from kvyard.engine.window_blocks import HybridBlocks, WindowBlocks
 from kvyard.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.loader.checkpoint import Checkpoint, load_checkpoint
@@ -72,21 +73,28 @@ class LLMEngine:
         if device.type == "cpu":
             cpu_kernels.available()  # build (first run on a machine) or load them now, not in the first request
             keep_freed_memory()
-        num_blocks = num_blocks_for_budget(ckpt.config, cfg.block_size, cfg.dtype, cfg.kv_cache_memory,
-                                           cfg.kv_cache_dtype)
+        self.kv_groups = KVGroups.of(ckpt.config)
+        num_blocks, window_blocks = pool_sizes(ckpt.config, self.kv_groups, cfg.block_size, cfg.dtype,
+                                               cfg.kv_cache_memory, cfg.kv_cache_dtype, cfg.max_num_seqs,
+                                               cfg.token_budget)
         context = min(ckpt.config.max_position_embeddings, cfg.max_model_len or 1 << 62)
         # A request must fit the whole pool, or preempting everyone else could still not make room.
         self.max_model_len = min(context, num_blocks * cfg.block_size)
+        if self.kv_groups.window is not None and cfg.enable_chunked_prefill:
+            # Every layer slides: a request holds only its window and the chunk it computes, however long.
+            if (num_blocks - 2) * cfg.block_size >= self.kv_groups.window + cfg.token_budget:
+                self.max_model_len = context
         model = build_model(ckpt.config, cfg.dtype, device, max_positions=self.max_model_len, max_rows=cfg.token_budget)
         model.load(self._weights(ckpt), str(path))
         if cfg.kv_cache_dtype == "int8":
             smooth_keys(model, self.tokenizer, max_len=min(256, self.max_model_len))
-        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.blocks = self._block_pools(num_blocks, window_blocks)
         self.scheduler = Scheduler(cfg, self.blocks)
-        caches = allocate_kv_caches(ckpt.config, num_blocks, cfg.block_size, cfg.dtype, device, cfg.kv_cache_dtype)
+        caches = allocate_kv_caches(ckpt.config, num_blocks, cfg.block_size, cfg.dtype, device, cfg.kv_cache_dtype,
+                                    self.kv_groups, window_blocks)
         for cache, layer in zip(caches, model.layers, strict=True):
             cache.key_smoothing = layer.qk_scale
-        self.runner = ModelRunner(model, caches, cfg.block_size)
+        self.runner = ModelRunner(model, caches, cfg.block_size, self.kv_groups)
         self.spec = make_speculation(cfg, self.tokenizer, ckpt.config.vocab_size, num_blocks, self.max_model_len)
         eos = set(ckpt.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -100,6 +108,17 @@ class LLMEngine:
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "aborted": 0, "step_seconds": 0.0}
         if self.scheduler.stall_free:  # so that it predicts from the first step
             calibrate_step_cost(self)
+
+    def _block_pools(self, num_blocks: int, window_blocks: int) -> BlockManager:
+        cfg, groups = self.cfg, self.kv_groups
+        if groups.window is not None:
+            return WindowBlocks(num_blocks, cfg.block_size, groups.window, cfg.enable_prefix_caching)
+        if groups.sliding_window is not None:
+            log.info("KV pools: %d blocks for the full-attention layers, %d for the %d sliding-window layers",
+                     num_blocks, window_blocks, len(groups.sliding_layers))
+            return HybridBlocks(num_blocks, window_blocks, cfg.block_size, groups.sliding_window,
+                                cfg.enable_prefix_caching)
+        return BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
 
     def _weights(self, ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         if not self.cfg.quantization:

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvyard.engine.kv_cache import KVGroups
 from kvyard.engine.request import Request
 from kvyard.engine.scheduler import ScheduledBatch
 from kvyard.models.attention import AttentionMetadata, PrefillSpan, causal_context_mask
@@ -25,16 +26,37 @@ class StepInput:
     prompt_rows: list[tuple[Request, int, int]] = field(default_factory=list)
 
 
+@dataclass
+class _TableView:
+    """The step as the layers of one block table see it (the main table, or the sliding layers' own)."""
+
+    window: int | None  # their window when the pool gives blocks back behind it, else None
+    second: bool = False  # the table is Request.window_table
+    slots: list[int] = field(default_factory=list)
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+    def table(self, req: Request) -> list[int]:
+        return req.window_table if self.second else req.block_table
+
+
 class ModelRunner:
-    def __init__(self, model: DecoderModel, kv_caches: list[LayerKV], block_size: int):
+    def __init__(self, model: DecoderModel, kv_caches: list[LayerKV], block_size: int,
+                 groups: KVGroups | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = model.device
+        self.groups = groups or KVGroups()
 
-    def _slots(self, req: Request, start: int, end: int) -> list[int]:
-        bs, table = self.block_size, req.block_table
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _views(self) -> list[_TableView]:
+        views = [_TableView(self.groups.window)]
+        if self.groups.sliding_window is not None:
+            views.append(_TableView(self.groups.sliding_window, second=True))
+        return views
 
     def prepare(self, batch: ScheduledBatch) -> StepInput:
         pairs = list(zip(batch.requests, batch.num_new_tokens, strict=True))
@@ -42,14 +64,13 @@ class ModelRunner:
         pairs.sort(key=lambda rn: rn[1] != 1)
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
         logits_rows: list[int] = []
         sampled: list[Request] = []
         num_rows: list[int] = []
         prompt_rows: list[tuple[Request, int, int]] = []
         prompt_indices: list[int] = []
         decodes = [r for r, n in pairs if n == 1]
-        prefills: list[PrefillSpan] = []
+        views = self._views()
         for req, n in pairs:
             start = req.num_computed_tokens
             row = len(ids)
@@ -59,9 +80,10 @@ class ModelRunner:
             tokens = req.token_ids + req.spec_token_ids if k else req.token_ids
             ids.extend(tokens[start : start + n])
             pos.extend(range(start, start + n))
-            slots.extend(self._slots(req, start, start + n))
-            if n > 1:
-                prefills.append(self._prefill_span(req, row, n))
+            for view in views:
+                view.slots.extend(self._slots(view.table(req), start, start + n))
+                if n > 1:
+                    view.prefills.append(self._prefill_span(view, req, row, n))
             if start + n == len(tokens):
                 logits_rows.extend(range(row + n - 1 - k, row + n))
                 sampled.append(req)
@@ -75,10 +97,14 @@ class ModelRunner:
                     prompt_rows.append((req, first, end - first))
                     prompt_indices.extend(range(row + first - start, row + end - start))
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), block_size=self.block_size,
-                                 prefills=prefills)
+        metas = [AttentionMetadata(slot_mapping=torch.tensor(v.slots, device=dev), block_size=self.block_size,
+                                   prefills=v.prefills) for v in views]
         if decodes:
-            self._decode_metadata(decodes, meta)
+            for view, m in zip(views, metas, strict=True):
+                self._decode_metadata(view, decodes, m)
+        meta = metas[0]
+        if len(metas) > 1:
+            meta.window_group = metas[1]
         return StepInput(
             input_ids=torch.tensor(ids, device=dev),
             positions=torch.tensor(pos, device=dev),
@@ -89,24 +115,30 @@ class ModelRunner:
             prompt_rows=prompt_rows,
         )
 
-    def _prefill_span(self, req: Request, row: int, n: int) -> PrefillSpan:
+    def _prefill_span(self, view: _TableView, req: Request, row: int, n: int) -> PrefillSpan:
         start = req.num_computed_tokens
         if start == 0:
             return PrefillSpan(row, row + n, None, None)
+        # Behind a sliding window the blocks may be given back: the context starts at the first key the
+        # chunk's first query sees. The mask is relative to the context's end, so it starts there too.
+        first = 0 if view.window is None else max(0, start - view.window + 1)
         ctx = start + n
         return PrefillSpan(
             row,
             row + n,
-            torch.tensor(self._slots(req, 0, ctx), device=self.device),
-            causal_context_mask(n, ctx, self.device),
+            torch.tensor(self._slots(view.table(req), first, ctx), device=self.device),
+            causal_context_mask(n, ctx - first, self.device),
         )
 
-    def _decode_metadata(self, decodes: list[Request], meta: AttentionMetadata) -> None:
+    def _decode_metadata(self, view: _TableView, decodes: list[Request], meta: AttentionMetadata) -> None:
         lens = [r.num_computed_tokens + 1 for r in decodes]
         nblocks = -(-max(lens) // self.block_size)
         # One tensor from padded lists: a tensor per request costs more than the whole table at 32 rows.
-        rows = [r.block_table[:nblocks] for r in decodes]
+        rows = [view.table(r)[:nblocks] for r in decodes]
         table = torch.tensor([t + [0] * (nblocks - len(t)) for t in rows], dtype=torch.long)
+        if view.window is not None:
+            # Given-back blocks (NULL_BLOCK) point at block 0 like padding: behind the window, never read.
+            table.clamp_(min=0)
         meta.num_decodes = len(decodes)
         meta.decode_blocks = table.to(self.device)
         meta.decode_lens = torch.tensor(lens, dtype=torch.long, device=self.device)

@@ -34,6 +34,10 @@ class Request:
     cache_salt: bytes = b""  # isolates this request's prefix-cache entries from requests with another salt
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
     num_committed_blocks: int = 0  # leading blocks registered in the prefix cache
+    # The same for the sliding-window layers of a model that also has full-attention ones: their own pool,
+    # whose blocks behind the window are given back (kvyard/engine/window_blocks.py).
+    window_table: list[int] = field(default_factory=list)
+    num_window_committed: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None

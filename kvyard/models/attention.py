@@ -33,6 +33,9 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor | None = None  # [decodes, max_blocks] block ids (padding points at block 0)
     decode_lens: torch.Tensor | None = None  # [decodes] int64: context length of each decode row
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # The sliding layers' own view of the step when they keep KV in a pool of their own (window_blocks.py):
+    # their slots and tables; their prefill contexts start at the window's edge.
+    window_group: "AttentionMetadata | None" = None
     _decode_mask: torch.Tensor | None = field(default=None, init=False, repr=False)
     _windowed: dict[int, "AttentionMetadata"] = field(default_factory=dict, init=False, repr=False)
 
@@ -42,6 +45,8 @@ class AttentionMetadata:
         per step and window, for all the layers that share it."""
         if window is None:
             return self
+        if self.window_group is not None:
+            return self.window_group.windowed(window)
         if window not in self._windowed:
             self._windowed[window] = self._restricted_to(window)
         return self._windowed[window]

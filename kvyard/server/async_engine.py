@@ -185,6 +185,7 @@ class AsyncEngine:
         # The KV tensors themselves, for the KV transfer layer's thread (kvyard/disagg/): it reads only
         # blocks the engine holds for it, which the engine never writes while they are held.
         self.kv_caches = engine.runner.kv_caches
+        self.kv_groups = engine.kv_groups
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "AsyncEngine":

@@ -21,7 +21,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvyard.engine.block_manager import block_hashes
-from kvyard.errors import InvalidRequestError
+from kvyard.engine.kv_cache import KVGroups
+from kvyard.errors import ConfigError, InvalidRequestError
 from kvyard.sampling_params import SamplingParams
 from kvyard.server.async_engine import AsyncEngine, ReceivedKV, RequestFailedError
 from kvyard.server.config import ServerSettings
@@ -52,12 +53,21 @@ class DisaggMetrics:
                                       buckets=_SECONDS_BUCKETS, registry=r)
 
 
+def require_one_pool(engine: AsyncEngine) -> None:
+    """KV moves between workers block by block of one pool: sliding-window pools give blocks back and keep a
+    second table (kvyard/engine/window_blocks.py), which the transfer does not carry yet."""
+    if engine.kv_groups != KVGroups():
+        raise ConfigError(f"{engine.model_name}: prefill/decode disaggregation does not move sliding-window KV "
+                          "pools yet; serve this model colocated")
+
+
 class PrefillService:
     """The prefill side: computes a prompt's KV, holds it and offers it to decode workers."""
 
     def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: DisaggMetrics):
         from kvyard.disagg.zmq_transport import KVSource
 
+        require_one_pool(engine)
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
@@ -114,6 +124,7 @@ class KVReceiver:
         from kvyard.disagg.layout import KVLayout
         from kvyard.disagg.zmq_transport import KVFetcher
 
+        require_one_pool(engine)
         self.block_size = engine.block_size
         self.layout = KVLayout.of(engine.kv_caches, engine.block_size)
         self.fetcher = KVFetcher(token=settings.cluster_token)

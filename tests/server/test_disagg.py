@@ -140,3 +140,18 @@ def test_roles_refuse_what_they_do_not_do(servers, engines):
     assert r.status_code == 400
     roles = {httpx.get(u + "/kv/config", timeout=10, trust_env=False).json()["role"] for u in (p.url, d.url)}
     assert roles == {"prefill", "decode"}
+
+
+def test_a_model_with_sliding_window_pools_is_served_colocated_only():
+    """Window pools give blocks back and keep a second table: the KV transfer would miss them, so the disagg
+    roles refuse such a model up front, with the reason."""
+    from types import SimpleNamespace
+
+    from kvyard.engine.kv_cache import KVGroups
+    from kvyard.errors import ConfigError
+    from kvyard.server.disagg import require_one_pool
+
+    require_one_pool(SimpleNamespace(kv_groups=KVGroups(), model_name="dense"))  # type: ignore[arg-type]
+    for groups in (KVGroups(window=4096), KVGroups(sliding_window=512, sliding_layers=frozenset({0}))):
+        with pytest.raises(ConfigError, match="serve this model colocated"):
+            require_one_pool(SimpleNamespace(kv_groups=groups, model_name="gemma"))  # type: ignore[arg-type]
