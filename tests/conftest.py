@@ -47,6 +47,21 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_new_to
     return out[0, len(prompt) :].tolist()
 
 
+def assert_greedy_matches(model: transformers.PreTrainedModel, prompt: list[int], got: list[int],
+                          tie: float) -> None:
+    """`got` is HF's greedy continuation, or leaves it only where HF's own top two logits lie within `tie` of
+    each other (fp32 rounding in any other order of sums can pick either) and it took the runner-up there."""
+    want = hf_greedy(model, prompt, len(got))
+    if got == want:
+        return
+    i = next(j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+    with torch.no_grad():
+        top = model(torch.tensor([prompt + want[:i]])).logits[0, -1].topk(2)
+    gap = float(top.values[0] - top.values[1])
+    assert got[i] == int(top.indices[1]) and gap < tie, (
+        f"token {i} differs: got {got[i]}, HF {want[i]} (its top two {top.indices.tolist()}, {gap:.2e} apart)")
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     from kvyard.loader.registry import resolve_model

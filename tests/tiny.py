@@ -57,6 +57,8 @@ ARCH_CLASSES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 # Mixture-of-Experts families in small: 4 experts, top-2, routers of each kind (renormalised top-k or not), a
 # dense first layer (qwen2_moe's mlp_only_layers), qwen2_moe's gated shared expert, OLMoE's q/k/v clipping.
@@ -68,6 +70,13 @@ MOE_TINY = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, clip_qkv=6.0, norm_topk_prob=False),
 }
+# DeepSeek in small: latent attention (v2 with q straight from the hidden state, v3 through its low-rank
+# bottleneck), a dense first layer, 4 routed experts in 2 groups of which 1 is chosen, one shared expert.
+_DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                 n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                 first_k_dense_replace=1, n_group=2, topk_group=1)
+MOE_TINY["deepseek_v2"] = dict(_DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy")
+MOE_TINY["deepseek_v3"] = dict(_DEEPSEEK, q_lora_rank=48, routed_scaling_factor=2.5)
 # Gemma 3 in small: three layers, two of them sliding with a window shorter than most test prompts and not a
 # multiple of any block size used, and a query scale other than head_dim's.
 GEMMA3_TINY = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=7, num_hidden_layers=3,
@@ -125,6 +134,9 @@ def make_tiny_checkpoint(
                 p.mul_(4.0 if "embed" in name or "lm_head" in name else 2.0)
             elif p.dim() == 1:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # deepseek_v3's choice bias starts at zero
+                b.copy_(0.1 * torch.randn_like(b))
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **save_kwargs)
     return out

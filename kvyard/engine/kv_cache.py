@@ -4,12 +4,18 @@ from dataclasses import dataclass
 
 import torch
 
-from kvyard.errors import InvalidRequestError
+from kvyard.errors import ConfigError, InvalidRequestError
 from kvyard.models.config import ModelConfig
+from kvyard.models.deepseek import mla_cache
 from kvyard.models.kv_layer import LayerKV
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+    if cfg.is_mla:  # one latent row per token and layer (kvyard/models/deepseek.py)
+        if kv_dtype == "int8":
+            raise ConfigError(f"kv_cache_dtype int8 is not implemented for {cfg.model_type}'s latent cache",
+                              param="kv_cache_dtype")
+        return cfg.num_layers * (cfg.kv_lora_rank + cfg.head_dim) * dtype.itemsize * block_size
     if kv_dtype == "int8":
         per_head = cfg.head_dim + 4  # int8 values and one float32 scale per token and head
     else:
@@ -80,6 +86,8 @@ def allocate_kv_caches(
     def blocks_of(layer: int) -> int:
         return window_blocks if layer in groups.sliding_layers else num_blocks
 
+    if cfg.is_mla:
+        return [mla_cache(num_blocks * block_size, cfg, dtype, device) for _ in range(cfg.num_layers)]
     return [
         LayerKV.allocate(blocks_of(i) * block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device, kv_dtype == "int8")
         for i in range(cfg.num_layers)

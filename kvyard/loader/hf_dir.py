@@ -36,9 +36,20 @@ _QK_NORM_PARAMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 _SANDWICH_NORM_PARAMS = ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
 
 
+# Multi-head latent attention's projections (deepseek_v2 / v3), in place of q/k/v
+_MLA_PARAMS = ["self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight"]
+_MLA_Q_LORA_PARAMS = ["self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight"]
+
+
 def expected_tensor_names(config: ModelConfig) -> list[str]:
     """The HF parameter names the model code consumes for this config, in model order."""
     per_layer = list(_LAYER_PARAMS)
+    if config.is_mla:
+        per_layer = [p for p in per_layer if p not in ("self_attn.k_proj.weight", "self_attn.v_proj.weight")]
+        if config.q_lora_rank:
+            per_layer.remove("self_attn.q_proj.weight")
+            per_layer += _MLA_Q_LORA_PARAMS
+        per_layer += _MLA_PARAMS
     if config.attention_bias:
         per_layer += _BIAS_PARAMS
     if config.qk_norm:
@@ -54,6 +65,8 @@ def expected_tensor_names(config: ModelConfig) -> list[str]:
         if sparse:
             router, experts, shared = expert_tensor_names(config, i)
             names += [router, *(n for e in experts for n in e), *shared]
+            if config.router_scoring == "sigmoid":  # deepseek_v3's choice bias
+                names.append(router.replace("weight", "e_score_correction_bias"))
     names.append("model.norm.weight")
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")

@@ -4,9 +4,11 @@ import torch
 
 from kvyard.models.config import ModelConfig
 from kvyard.models.decoder import DecoderModel
+from kvyard.models.deepseek import DeepSeekModel
 from kvyard.models.gemma3 import Gemma3Model
 
-MODEL_CLASSES: dict[str, type[DecoderModel]] = {"gemma3_text": Gemma3Model}
+MODEL_CLASSES: dict[str, type[DecoderModel]] = {
+    "gemma3_text": Gemma3Model, "deepseek_v2": DeepSeekModel, "deepseek_v3": DeepSeekModel}
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,

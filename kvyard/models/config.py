@@ -17,8 +17,12 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3_moe": {"attention_bias": False, "qk_norm": True},
     "mixtral": {"attention_bias": False, "qk_norm": False},
     "olmoe": {"attention_bias": False, "qk_norm": False},  # its q/k norms span the whole projection
+    # Multi-head latent attention with routed and shared experts (kvyard/models/deepseek.py)
+    "deepseek_v2": {"attention_bias": False, "qk_norm": False},
+    "deepseek_v3": {"attention_bias": False, "qk_norm": False},
 }
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 GEMMA3_ACTIVATION = "gelu_pytorch_tanh"
 
 
@@ -56,6 +60,25 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # qwen2_moe
     qk_norm_whole: bool = False  # olmoe: RMSNorm over all of q's (and of k's) heads at once
     clip_qkv: float | None = None  # olmoe: q, k and v clamped to [-c, c]
+    # DeepSeek's routers: sigmoid scores (v3, with a learned bias for the choice) or softmax; experts chosen only
+    # within the best `router_topk_groups` of `router_groups` groups; weights times routed_scaling_factor; an
+    # ungated shared expert
+    router_scoring: str = "softmax"
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True
+    # Multi-head latent attention (deepseek_v2 / v3): the cache holds a latent of kv_lora_rank values and one
+    # rotary key of head_dim (= qk_rope_head_dim) per token; queries come through a rank-q_lora_rank bottleneck
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: q straight from the hidden state
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the checkpoint's rotary dimensions come in (x0, x1) pairs
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     def is_sparse(self, layer: int) -> bool:
         return bool(self.sparse_layers) and self.sparse_layers[layer]
@@ -101,6 +124,8 @@ class ModelConfig:
             family["layer_windows"] = (int(window),) * num_layers  # mistral: every layer slides
         if model_type in MOE_MODEL_TYPES:
             family.update(_moe_fields(cfg, model_type, num_layers))
+        if model_type in MLA_MODEL_TYPES:
+            family.update(_deepseek_fields(cfg, model_type, num_layers, source))
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -109,7 +134,7 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            head_dim=family.pop("head_dim", None) or int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
@@ -164,4 +189,37 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[s
         if model_type == "qwen2_moe" else 0,
         "qk_norm_whole": model_type == "olmoe",
         "clip_qkv": cfg.get("clip_qkv") if model_type == "olmoe" else None,
+    }
+
+
+def _deepseek_fields(cfg: dict[str, Any], model_type: str, num_layers: int, source: str) -> dict[str, Any]:
+    """DeepSeek V2 / V3: the latent attention's sizes and the routers, as transformers reads them."""
+    if cfg.get("attention_bias"):
+        raise UnsupportedArchitectureError(f"{source}: {model_type} with attention_bias; kvyard implements none")
+    v3 = model_type == "deepseek_v3"
+    nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    experts = int(cfg.get("n_routed_experts") or 0)
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    grouped = v3 or cfg.get("topk_method") == "group_limited_greedy"
+    moe_size = int(cfg.get("moe_intermediate_size") or 0)
+    return {
+        "kv_lora_rank": int(cfg["kv_lora_rank"]),
+        "q_lora_rank": int(cfg.get("q_lora_rank") or 0),
+        "qk_nope_head_dim": nope,
+        "v_head_dim": int(cfg["v_head_dim"]),
+        "head_dim": rope,
+        # v2 rotates (x0, x1) pairs as complex numbers; v3 too unless told otherwise
+        "rope_interleave": bool(cfg.get("rope_interleave", True)) if v3 else True,
+        "query_pre_attn_scalar": float(nope + rope),
+        "sparse_layers": tuple(experts > 0 and i >= first_dense for i in range(num_layers)),
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 1),
+        "moe_intermediate_size": moe_size,
+        "norm_topk_prob": v3 and bool(cfg.get("norm_topk_prob", True)),  # v2's router never renormalises
+        "shared_expert_intermediate_size": moe_size * int(cfg.get("n_shared_experts") or 0),
+        "shared_expert_gated": False,
+        "router_scoring": "sigmoid" if v3 else "softmax",
+        "router_groups": int(cfg.get("n_group") or 1) if grouped else 1,
+        "router_topk_groups": int(cfg.get("topk_group") or 1) if grouped else 1,
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
     }

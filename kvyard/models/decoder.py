@@ -73,6 +73,7 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
     moe: MoeWeights | None = None
+    mla: Any = None  # a latent-attention layer's own weights (kvyard/models/deepseek.py LatentAttention)
     # Every assignment to any layer's fields, counted: a model rebuilds its decode stack when this moves (the
     # quantizer swaps units in place; int8 KV caches set qk_scale after load).
     edits: ClassVar[int] = 0

@@ -7,7 +7,9 @@ ascending expert order), so fp32 outputs match its reference loop.
 
 Routers as the families define them (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE): softmax over the router logits
 in fp32, top-k, renormalised over the k when `norm_topk_prob`, cast to the model's dtype. Qwen2-MoE adds a
-shared expert scaled by sigmoid(shared_expert_gate(x)).
+shared expert scaled by sigmoid(shared_expert_gate(x)). DeepSeek's (`DeepSeekRouting`): scores in fp32 (softmax
+in v2; sigmoid in v3, which chooses by score + a learned bias), experts only from the best groups, weights
+scaled, and shared experts added ungated.
 """
 
 from collections.abc import Callable
@@ -26,7 +28,16 @@ from kvyard.quant.qtensor import QuantizedTensor
 class SharedExpert:
     gate_up: Weight  # gate|up [2 * intermediate, hidden], packed for kvyard's kernels as a dense MLP's is
     down: Weight  # [hidden, intermediate]
-    gate: torch.Tensor  # [1, hidden]: sigmoid of it scales the shared expert's output
+    gate: torch.Tensor | None  # [1, hidden]: sigmoid of it scales the shared expert's output; None: added as is
+
+
+@dataclass
+class DeepSeekRouting:
+    sigmoid: bool  # v3: sigmoid scores; v2: softmax
+    choice_bias: torch.Tensor | None  # v3's e_score_correction_bias [experts], fp32: added for the choice only
+    groups: int  # experts split into this many groups...
+    topk_groups: int  # ...and chosen only within the best of them
+    scaling: float  # routed_scaling_factor
 
 
 @dataclass
@@ -69,6 +80,7 @@ class MoeWeights:
     top_k: int
     norm_topk_prob: bool
     shared: SharedExpert | None = None
+    deepseek: DeepSeekRouting | None = None
     # Tokens routed to each expert since the model was loaded (kvyard_moe_* metrics).
     tokens_per_expert: torch.Tensor = field(init=False)
 
@@ -91,7 +103,9 @@ def expert_tensor_names(cfg: ModelConfig, layer: int) -> tuple[str, list[tuple[s
         experts = [tuple(f"{b}experts.{j}.{w}_proj.weight" for w in ("gate", "up", "down"))
                    for j in range(cfg.num_experts)]
     shared = []
-    if cfg.shared_expert_intermediate_size:
+    if cfg.shared_expert_intermediate_size and not cfg.shared_expert_gated:  # deepseek
+        shared = [f"{b}shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")]
+    elif cfg.shared_expert_intermediate_size:
         shared = [f"{b}shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")] + [f"{b}shared_expert_gate.weight"]
     return b + "gate.weight", experts, shared  # type: ignore[return-value]
 
@@ -110,9 +124,14 @@ def load_moe(cfg: ModelConfig, layer: int, take: Callable[[str], torch.Tensor], 
         gate_up, down = stack_experts(list(gates), list(ups), list(downs))
     shared = None
     if shared_names:
-        g, u, d, gate = shared_names
-        shared = SharedExpert(weight(g, u, gate_up=True), weight(d), take(gate))
-    return MoeWeights(take(router), gate_up, down, cfg.num_experts_per_tok, cfg.norm_topk_prob, shared)
+        g, u, d = shared_names[:3]
+        shared = SharedExpert(weight(g, u, gate_up=True), weight(d), take(shared_names[3]) if len(shared_names) > 3 else None)
+    deepseek = None
+    if cfg.model_type in ("deepseek_v2", "deepseek_v3"):
+        sigmoid = cfg.router_scoring == "sigmoid"
+        bias = take(router.replace("weight", "e_score_correction_bias")).float() if sigmoid else None
+        deepseek = DeepSeekRouting(sigmoid, bias, cfg.router_groups, cfg.router_topk_groups, cfg.routed_scaling_factor)
+    return MoeWeights(take(router), gate_up, down, cfg.num_experts_per_tok, cfg.norm_topk_prob, shared, deepseek)
 
 
 def stack_experts(gates: list[torch.Tensor], ups: list[torch.Tensor], downs: list[torch.Tensor]
@@ -125,11 +144,32 @@ def stack_experts(gates: list[torch.Tensor], ups: list[torch.Tensor], downs: lis
 
 def route(x: torch.Tensor, moe: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's top-k experts and their weights (in x's dtype), as the HF routers compute them."""
+    if moe.deepseek is not None:
+        return _route_deepseek(x, moe, moe.deepseek)
     probs = torch.softmax(F.linear(x, moe.router), dim=-1, dtype=torch.float)
     weights, experts = probs.topk(moe.top_k, dim=-1)
     if moe.norm_topk_prob:
         weights /= weights.sum(dim=-1, keepdim=True)
     return weights.to(x.dtype), experts
+
+
+def _route_deepseek(x: torch.Tensor, moe: MoeWeights, rule: DeepSeekRouting) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = F.linear(x.float(), moe.router.float())
+    scores = logits.sigmoid() if rule.sigmoid else logits.softmax(dim=-1)
+    choice = scores if rule.choice_bias is None else scores + rule.choice_bias
+    if rule.groups > 1:
+        grouped = choice.view(-1, rule.groups, moe.num_experts // rule.groups)
+        # a group's worth: v3 sums its best two experts' scores, v2 takes its best one
+        worth = grouped.topk(2, dim=-1).values.sum(-1) if rule.sigmoid else grouped.amax(dim=-1)
+        best = worth.topk(rule.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(worth, dtype=torch.bool).scatter_(1, best, True)
+        # v3 rules the other groups' experts out of the choice, v2 zeroes their scores (as transformers does)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf") if rule.sigmoid else 0.0).flatten(1)
+    experts = choice.topk(moe.top_k, dim=-1).indices
+    weights = scores.gather(1, experts) if rule.sigmoid else choice.gather(1, experts)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return (weights * rule.scaling).to(x.dtype), experts
 
 
 def moe_mlp(x: torch.Tensor, moe: MoeWeights, act_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -148,7 +188,7 @@ def moe_mlp(x: torch.Tensor, moe: MoeWeights, act_mul: Callable[[torch.Tensor], 
     if moe.shared is not None:
         s = moe.shared
         shared = linear(act_mul(linear(x, s.gate_up)), s.down)
-        out += torch.sigmoid(F.linear(x, s.gate)) * shared
+        out += shared if s.gate is None else torch.sigmoid(F.linear(x, s.gate)) * shared
     return out
 
 

@@ -36,10 +36,13 @@ def linear_units(cfg: ModelConfig) -> list[Unit]:
     units = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        units += [
-            Unit(p + "self_attn.qkv", tuple(p + f"self_attn.{x}_proj" for x in "qkv"), h * (q + 2 * kv), i, "qkv"),
-            Unit(p + "self_attn.o_proj", (p + "self_attn.o_proj",), q * h, i, "o"),
-        ]
+        if cfg.is_mla:
+            units += _latent_attention_units(cfg, i)
+        else:
+            units += [
+                Unit(p + "self_attn.qkv", tuple(p + f"self_attn.{x}_proj" for x in "qkv"), h * (q + 2 * kv), i, "qkv"),
+                Unit(p + "self_attn.o_proj", (p + "self_attn.o_proj",), q * h, i, "o"),
+            ]
         if not cfg.is_sparse(i):  # a Mixture-of-Experts layer has experts instead (expert_units)
             units += [
                 Unit(p + "mlp.gate_up", (p + "mlp.gate_proj", p + "mlp.up_proj"), 2 * h * inter, i, "gate_up"),
@@ -47,6 +50,22 @@ def linear_units(cfg: ModelConfig) -> list[Unit]:
             ]
     units.append(Unit("lm_head", ("lm_head",), cfg.vocab_size * h, None, "lm_head"))
     return units
+
+
+def _latent_attention_units(cfg: ModelConfig, i: int) -> list[Unit]:
+    """DeepSeek's attention (kvyard/models/deepseek.py): q (or its low-rank input) fused with the KV latent's
+    projection, q's low-rank output, the latent's expansion and o."""
+    a = f"model.layers.{i}.self_attn."
+    h, heads, rank, rope = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.head_dim
+    q_out = cfg.q_lora_rank or heads * (cfg.qk_nope_head_dim + rope)
+    units = [Unit(a + "qkv", (a + ("q_a_proj" if cfg.q_lora_rank else "q_proj"), a + "kv_a_proj_with_mqa"),
+                  h * (q_out + rank + rope), i, "qkv")]
+    if cfg.q_lora_rank:
+        units.append(Unit(a + "q_b_proj", (a + "q_b_proj",), q_out * heads * (cfg.qk_nope_head_dim + rope), i, "mla"))
+    return units + [
+        Unit(a + "kv_b_proj", (a + "kv_b_proj",), rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), i, "mla"),
+        Unit(a + "o_proj", (a + "o_proj",), heads * cfg.v_head_dim * h, i, "o"),
+    ]
 
 
 def is_protected(unit: Unit, protect: Iterable[str]) -> bool:

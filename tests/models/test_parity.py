@@ -5,7 +5,7 @@ import torch
 
 from kvyard import LLM, SamplingParams
 from kvyard.loader.checkpoint import load_checkpoint
-from tests.conftest import hf_greedy, hf_reference
+from tests.conftest import assert_greedy_matches, hf_reference
 
 PROMPTS = [
     "The quick brown fox",
@@ -20,7 +20,9 @@ LOGIT_ATOL = 1e-4  # 140x the fp32 rounding measured, 14x under a 1% error in on
 ARCHS = [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False), ("qwen2", True), ("qwen3", False),
          # sliding windows of 7 positions (every layer; two of Gemma's three), shorter than most prompts
          ("mistral-sliding", False), ("gemma3_text", True),
-         ("qwen2_moe", False), ("qwen3_moe", False), ("mixtral", False), ("olmoe", False)]
+         ("qwen2_moe", False), ("qwen3_moe", False), ("mixtral", False), ("olmoe", False),
+         # latent attention over a cache of latents, routed and shared experts
+         ("deepseek_v2", False), ("deepseek_v3", False)]
 
 # Engine settings that must not change a single greedy token.
 MODES = {
@@ -65,7 +67,8 @@ def test_greedy_tokens_match_transformers(tiny_checkpoint, arch, tied, mode):
     outs = llm.generate(prompts, GREEDY)
     ref = hf_reference(path)
     for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(ref, prompt, NEW_TOKENS)
+        # identical, but for a near-tie in HF's own logits (deepseek_v3's tiny model has one at 2e-5 on "x")
+        assert_greedy_matches(ref, prompt, out.outputs[0].token_ids, tie=LOGIT_ATOL)
     if mode == "preempting":
         assert llm.engine.scheduler.num_preemptions > 0, "the tiny pool should force preemption"
     if mode == "stall-free":
