@@ -70,7 +70,7 @@ def dpbf16_available() -> bool:
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-ffp-contract=off"]
 _OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_write_kv_", "amx_linear",
         "amx_linear_lowbit", "lowbit_linear", "lowbit_dequantize", "linear_bf16", "dpbf16_linear",
-        "vnni_lowbit_linear")
+        "dpbf16_linear_f32", "vnni_lowbit_linear")
 
 
 # A build takes about 40 s here. torch's build lock is a bare file that a killed build leaves behind, and

@@ -210,8 +210,10 @@ class DecoderModel:
         head = self._head()
         if last.shape[0] == 1 and not isinstance(head, VnniWeight):
             head = self.lm_head
-        logits = linear(last, head)
         cap = self.cfg.final_logit_softcapping
+        if isinstance(head, VnniWeight) and not cap:
+            return head.logits(last)
+        logits = linear(last, head)
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()

@@ -62,6 +62,13 @@ class VnniWeight:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
         return _vnni_kernel()(x, self.blocks, bias)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """self(x).float() (bf16-rounded values, in fp32 for sampling); the AVX512-BF16 kernel writes them so
+        in one pass, where converting Gemma's [32, 262144] logits afterwards took 7.6 ms of a 71 ms step."""
+        if _vnni_kernel() is torch.ops.kvyard.dpbf16_linear and (self.onednn is None or x.shape[0] <= AMX_MAX_ROWS):
+            return torch.ops.kvyard.dpbf16_linear_f32(x, self.blocks)
+        return self(x).float()
+
 
 @functools.cache
 def _vnni_kernel():  # looked up once: a decode step makes ~120 of these calls, each ~2 us of Python otherwise

@@ -37,6 +37,22 @@ def test_rounds_the_exact_product_once(rows, out, inp, bias):
 
 
 @needs_dpbf16
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 32, 300])
+def test_logits_come_back_as_the_bf16_product_widened_to_fp32(rows):
+    """dpbf16_linear_f32 (a model head's logits for sampling) equals dpbf16_linear(...).float() bit for bit."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(4096, 96, generator=g).bfloat16()
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    weight = VnniWeight.tile(w)
+    got = torch.ops.kvyard.dpbf16_linear_f32(x, weight.blocks)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, torch.ops.kvyard.dpbf16_linear(x, weight.blocks, None).float())
+    assert torch.equal(weight.logits(x), got)
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.kvyard.dpbf16_linear_f32(torch.randn(2, 64).bfloat16(), weight.blocks)
+
+
+@needs_dpbf16
 def test_reads_a_strided_x():
     w = torch.randn(64, 96).bfloat16()
     x = torch.randn(96, 5).bfloat16().T  # not contiguous

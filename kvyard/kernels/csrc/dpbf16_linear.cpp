@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <type_traits>
 #include <utility>
 
 #include "ops.h"
@@ -31,8 +32,10 @@ constexpr int64_t kPanelBytes = 256 * 1024;  // activation rows per pass over th
 #ifdef __AVX512BF16__
 constexpr int kTileRows = 12;  // 24 accumulators, two weight registers and a broadcast in the 32 zmm
 
-// out[r, 0..31] (bf16, row stride n) = c[r] + bias, rounded once.
-inline void write_rows(const __m512 (*c)[2], int rows, const uint16_t* bias, uint16_t* out, int64_t n) {
+// out[r, 0..31] (row stride n) = c[r] + bias, rounded once to bf16; an fp32 `Out` gets those bf16 values widened
+// (a model's logits as a bf16 matmul gives them, without a separate pass to convert them for sampling).
+template <typename Out>
+inline void write_rows(const __m512 (*c)[2], int rows, const uint16_t* bias, Out* out, int64_t n) {
   alignas(64) float sums[kBlockCols];
   for (int r = 0; r < rows; ++r) {
     _mm512_store_ps(sums, c[r][0]);
@@ -41,7 +44,12 @@ inline void write_rows(const __m512 (*c)[2], int rows, const uint16_t* bias, uin
 #pragma omp simd
       for (int64_t j = 0; j < kBlockCols; ++j) sums[j] += bf16_to_float(bias[j]);
     }
-    store_row(sums, 1.0f, reinterpret_cast<at::BFloat16*>(out + r * n), kBlockCols);
+    if constexpr (std::is_same_v<Out, float>) {
+#pragma omp simd
+      for (int64_t j = 0; j < kBlockCols; ++j) out[r * n + j] = bf16_to_float(float_to_bf16(sums[j]));
+    } else {
+      store_row(sums, 1.0f, reinterpret_cast<at::BFloat16*>(out + r * n), kBlockCols);
+    }
   }
 }
 
@@ -49,8 +57,8 @@ inline __m512bh pair_of(const uint32_t* x, int64_t p) { return (__m512bh)_mm512_
 inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
 // `rows` (1..kTileRows) rows of x [rows, k] against one block b [k/2][32][2].
-template <int kRows>
-void tile(const uint16_t* x, int64_t k, const uint16_t* b, const uint16_t* bias, uint16_t* out, int64_t n) {
+template <int kRows, typename Out>
+void tile(const uint16_t* x, int64_t k, const uint16_t* b, const uint16_t* bias, Out* out, int64_t n) {
   __m512 c[kRows][2];
   for (int r = 0; r < kRows; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
   const auto* xp = reinterpret_cast<const uint32_t*>(x);
@@ -68,8 +76,8 @@ void tile(const uint16_t* x, int64_t k, const uint16_t* b, const uint16_t* bias,
 
 // One row: the same sums split over two chains per register (even and odd pairs), so that the adds' latency
 // never holds up the weight stream.
-template <>
-void tile<1>(const uint16_t* x, int64_t k, const uint16_t* b, const uint16_t* bias, uint16_t* out, int64_t n) {
+template <typename Out>
+void tile_one(const uint16_t* x, int64_t k, const uint16_t* b, const uint16_t* bias, Out* out, int64_t n) {
   __m512 c[2][2] = {{_mm512_setzero_ps(), _mm512_setzero_ps()}, {_mm512_setzero_ps(), _mm512_setzero_ps()}};
   const auto* xp = reinterpret_cast<const uint32_t*>(x);
   const int64_t pairs = k / 2;  // even: k is a multiple of 32
@@ -86,18 +94,20 @@ void tile<1>(const uint16_t* x, int64_t k, const uint16_t* b, const uint16_t* bi
   write_rows(c, 1, bias, out, n);
 }
 
-using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, uint16_t*, int64_t);
+template <typename Out>
+using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, Out*, int64_t);
 
-template <int... kRows>
-constexpr std::array<TileFn, sizeof...(kRows)> tiles(std::integer_sequence<int, kRows...>) {
-  return {&tile<kRows + 1>...};
+template <typename Out, int... kRows>
+constexpr std::array<TileFn<Out>, sizeof...(kRows) + 1> tiles(std::integer_sequence<int, kRows...>) {
+  return {&tile_one<Out>, &tile<kRows + 2, Out>...};
 }
-constexpr auto kTiles = tiles(std::make_integer_sequence<int, kTileRows>{});  // kTiles[r - 1]: r rows
+template <typename Out>  // kTiles<Out>[r - 1]: r rows
+constexpr auto kTiles = tiles<Out>(std::make_integer_sequence<int, kTileRows - 1>{});
 
 // Each thread takes a share of the column blocks; rows go in panels whose activations stay in L2 while the
 // thread's blocks stream past once per panel (a decode step is one panel: each weight is read once).
-void matmul(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t m, int64_t n,
-            int64_t k) {
+template <typename Out>
+void matmul(const uint16_t* x, const uint16_t* w, const uint16_t* bias, Out* out, int64_t m, int64_t n, int64_t k) {
   const int64_t panel_rows = std::clamp<int64_t>(kPanelBytes / (k * 2) / kTileRows * kTileRows, kTileRows, 1020);
   at::parallel_for(0, n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
     for (int64_t panel = 0; panel < m; panel += panel_rows) {
@@ -106,7 +116,7 @@ void matmul(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t
         const int64_t n0 = nb * kBlockCols;
         for (int64_t m0 = panel; m0 < panel_end; m0 += kTileRows) {
           const int64_t rows = std::min<int64_t>(kTileRows, panel_end - m0);
-          kTiles[rows - 1](x + m0 * k, k, w + nb * k * kBlockCols, bias != nullptr ? bias + n0 : nullptr,
+          kTiles<Out>[rows - 1](x + m0 * k, k, w + nb * k * kBlockCols, bias != nullptr ? bias + n0 : nullptr,
                            out + m0 * n + n0, n);
         }
       }
@@ -117,7 +127,8 @@ constexpr bool kCompiled = true;
 
 #else  // compiled for a CPU without AVX512-BF16: dpbf16_available() says so and nobody calls dpbf16_linear
 
-void matmul(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t, int64_t) {
+template <typename Out>
+void matmul(const uint16_t*, const uint16_t*, const uint16_t*, Out*, int64_t, int64_t, int64_t) {
   TORCH_CHECK(false, "kvyard was compiled for a CPU without AVX512-BF16");
 }
 constexpr bool kCompiled = false;
@@ -131,7 +142,19 @@ bool dpbf16_available() { return kCompiled; }
 namespace kvyard::ops {
 
 at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  return vnni::bf16_blocks_linear(x, packed, bias, matmul);
+  return vnni::bf16_blocks_linear(x, packed, bias, matmul<uint16_t>);
+}
+
+// The same product rounded to bf16, handed back as fp32: what linear(x, w).float() gives, in one pass.
+at::Tensor dpbf16_linear_f32(const at::Tensor& x, const at::Tensor& packed) {
+  const auto [m, n, k] = vnni::check_bf16_blocks(x, packed, std::nullopt);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
+  if (m > 0 && n > 0) {
+    matmul<float>(reinterpret_cast<const uint16_t*>(xc.data_ptr()),
+                  reinterpret_cast<const uint16_t*>(packed.data_ptr()), nullptr, out.data_ptr<float>(), m, n, k);
+  }
+  return out;
 }
 
 }  // namespace kvyard::ops
@@ -139,6 +162,10 @@ at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed, const st
 TORCH_LIBRARY_FRAGMENT(kvyard, m) {
   m.def("dpbf16_available() -> bool", &dpbf16_available);
   m.def("dpbf16_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("dpbf16_linear_f32(Tensor x, Tensor packed) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("dpbf16_linear", &kvyard::ops::dpbf16_linear); }
+TORCH_LIBRARY_IMPL(kvyard, CPU, m) {
+  m.impl("dpbf16_linear", &kvyard::ops::dpbf16_linear);
+  m.impl("dpbf16_linear_f32", &kvyard::ops::dpbf16_linear_f32);
+}

@@ -10,6 +10,7 @@ namespace kvyard::ops {
 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
 at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
+at::Tensor dpbf16_linear_f32(const at::Tensor& x, const at::Tensor& packed);
 at::Tensor amx_linear_lowbit(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                              const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size,
                              const std::optional<at::Tensor>& outlier_cols, const std::optional<at::Tensor>& outliers);

@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -27,9 +28,9 @@ inline int64_t num_groups(int64_t k, int64_t group) { return (k + group - 1) / g
 
 // out [rows, N] bf16 = x @ W^T (+ bias) for W in bf16 blocks, the loop being
 // matmul(x, w, bias or nullptr, out, m, n, k) over raw bf16 bits.
-template <typename Matmul>
-at::Tensor bf16_blocks_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                              Matmul&& matmul) {
+// The product's (m, n, k) once x, the blocks and the bias are checked.
+inline std::array<int64_t, 3> check_bf16_blocks(const at::Tensor& x, const at::Tensor& packed,
+                                                const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be a bf16 [rows, in] matrix");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.size(1) % (kKStep / 2) == 0 && packed.size(2) == kBlockCols && packed.size(3) == 2,
@@ -38,6 +39,13 @@ at::Tensor bf16_blocks_linear(const at::Tensor& x, const at::Tensor& packed, con
   TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns, the weight takes ", k);
   if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kBFloat16 &&
                             bias->is_contiguous(), "bias must be a contiguous bf16 [out] vector");
+  return {m, n, k};
+}
+
+template <typename Matmul>
+at::Tensor bf16_blocks_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                              Matmul&& matmul) {
+  const auto [m, n, k] = check_bf16_blocks(x, packed, bias);
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({m, n}, x.options());
   if (m > 0 && n > 0) {
