@@ -60,6 +60,8 @@ class EngineConfig:
     # full batch of decodes (servers) or off (the LLM class); 0: off, prompt chunks fill the token budget.
     max_itl_ms: float | None = None
     enable_prefix_caching: bool = True  # reuse KV of prompt prefixes seen before
+    # KV offload (kvyard/offload/): bytes of host memory for prefix-cache blocks the pool evicts; 0 = off
+    kv_offload_host_memory: int | str = 0
     max_model_len: int | None = None  # default: the model's context window
     num_threads: int | None = None  # CPU threads for torch; default: all cores
     # Quantize linear weights while loading (int8, int4-g128, ...), or `gguf`: keep a GGUF file's
@@ -81,6 +83,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        self.kv_offload_host_memory = parse_bytes(self.kv_offload_host_memory)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}",
                                       param="kv_cache_dtype")

@@ -12,6 +12,7 @@ _HELP = {
     "dtype": "bfloat16 or float32 (float16 on CUDA)",
     "device": "cpu or cuda",
     "kv_cache_memory": "KV cache budget: bytes, or with a unit such as 512MiB, 2GiB",
+    "kv_offload_host_memory": "host memory for KV blocks evicted from the prefix cache (an offload tier), e.g. 4GiB; 0 = off",
     "block_size": "tokens per KV block",
     "max_num_batched_tokens": "token budget of one forward pass (decodes + prefill chunks)",
     "max_num_seqs": "most requests running at once",

@@ -14,7 +14,7 @@ to `events` as it happens and the caller drains the list once per step (`take_ev
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvyard.engine.kv_events import BlockRemoved, BlockStored, KVEvent
@@ -71,6 +71,9 @@ class BlockManager:
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.events: list[KVEvent] | None = None  # None: nobody listens, record nothing
+        # Called with (block id, hash, tokens) just before a cached block is evicted for reuse, while its KV is
+        # still intact (kvyard/offload/ writes it to a lower tier)
+        self.on_evict: Callable[[int, bytes, tuple[int, ...]], None] | None = None
 
     # ---- KV events -----------------------------------------------------------------------------------
 
@@ -176,7 +179,10 @@ class BlockManager:
             b = self.free_plain.pop()
         else:
             b, _ = self.free_cached.popitem(last=False)
-            self._evict(self.blocks[b])
+            blk = self.blocks[b]
+            if self.on_evict is not None and blk.hash is not None:
+                self.on_evict(b, blk.hash, blk.tokens)
+            self._evict(blk)
         self.blocks[b].ref_count = 1
         return b
 
@@ -202,6 +208,10 @@ class BlockManager:
         """The request's chained block hashes for its first `num_blocks` full blocks, extended lazily."""
         return extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, req.cache_salt,
                                    num_blocks)[:num_blocks]
+
+    def prompt_hashes(self, req: Request) -> list[bytes]:
+        """The hashes of the request's blocks a prefix hit may cover (its last token is always computed)."""
+        return self._hashes(req, (req.num_tokens - 1) // self.block_size)
 
     def match_prefix(self, req: Request) -> list[int]:
         """Cached blocks that hold the longest prefix of the request's tokens.

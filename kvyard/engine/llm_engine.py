@@ -42,6 +42,8 @@ from kvyard.structured.spec import StructuredOutput
 from kvyard.tokenizer.detokenizer import Detokenizer
 
 if TYPE_CHECKING:
+    from kvyard.models.kv_layer import LayerKV
+    from kvyard.offload.manager import KVOffload
     from kvyard.structured.compiler import GrammarCompiler
     from kvyard.structured.matcher import GrammarState
 
@@ -95,6 +97,7 @@ class LLMEngine:
         for cache, layer in zip(caches, model.layers, strict=True):
             cache.key_smoothing = layer.qk_scale
         self.runner = ModelRunner(model, caches, cfg.block_size, self.kv_groups)
+        self.offload = self._offload(caches)
         self.spec = make_speculation(cfg, self.tokenizer, ckpt.config.vocab_size, num_blocks, self.max_model_len)
         eos = set(ckpt.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -108,6 +111,20 @@ class LLMEngine:
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "aborted": 0, "step_seconds": 0.0}
         if self.scheduler.stall_free:  # so that it predicts from the first step
             calibrate_step_cost(self)
+
+    def _offload(self, caches: "list[LayerKV]") -> "KVOffload | None":
+        cfg = self.cfg
+        if not cfg.kv_offload_host_memory:
+            return None
+        if not cfg.enable_prefix_caching or self.kv_groups != KVGroups():
+            raise ConfigError("KV offload needs the prefix cache, and one KV pool (no sliding-window pools yet)",
+                              param="kv_offload_host_memory")
+        from kvyard.offload.host_tier import HostTier
+        from kvyard.offload.manager import KVOffload
+
+        offload = KVOffload(HostTier(int(cfg.kv_offload_host_memory)), caches, self.blocks, cfg.block_size)
+        self.scheduler.restore = offload.restore
+        return offload
 
     def _block_pools(self, num_blocks: int, window_blocks: int) -> BlockManager:
         cfg, groups = self.cfg, self.kv_groups

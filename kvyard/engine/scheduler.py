@@ -11,6 +11,7 @@ keep moving however many decodes run.
 """
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvyard.config import EngineConfig
@@ -50,6 +51,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.cost = StepCostModel()  # the engine reports each step's time to it
         self.num_limited_chunks = 0  # prompt chunks the inter-token target shortened
+        self.restore: Callable[[Request], int] | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -102,6 +104,8 @@ class Scheduler:
             return batch  # memory is tight: do not admit new work this step
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
+            if self.restore is not None:
+                self.restore(req)  # blocks of its prompt from a tier below the pool (kvyard/offload/)
             hits = self.blocks.match_prefix(req)  # the prompt's leading blocks already in the cache
             start = len(hits) * self.blocks.block_size
             n = req.num_tokens - start

@@ -1,0 +1,53 @@
+"""KV offload to host memory in the engine: blocks the pool evicts come back from the tier for a later request
+with the same prefix, and greedy fp32 outputs stay exactly HF's."""
+
+import pytest
+
+from kvyard import LLM, SamplingParams
+from kvyard.errors import ConfigError
+from kvyard.loader.checkpoint import load_checkpoint
+from tests.conftest import hf_greedy, hf_reference
+
+BLOCK = 4
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog again.",
+    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\nprint(add(3, 4))\n",
+    "Paged attention keeps the KV cache in fixed-size blocks. Continuous batching admits requests.",
+]
+
+
+def _pool_bytes(path, blocks: int) -> int:
+    cfg = load_checkpoint(path).config
+    return blocks * BLOCK * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers
+
+
+def _run(path, **kw) -> tuple[LLM, list[list[int]]]:
+    """The first prompt, then the others (which evict its blocks from a 24-block pool), then the first again."""
+    llm = LLM(str(path), dtype="float32", block_size=BLOCK, kv_cache_memory=_pool_bytes(path, 24), **kw)
+    prompts = [llm.tokenizer(t).input_ids for t in TEXTS]
+    outs = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts + prompts[:1]]
+    return llm, outs
+
+
+def test_evicted_prefixes_come_back_from_host_memory_exactly(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    plain, want = _run(path)
+    offloaded, got = _run(path, kv_offload_host_memory="4MiB")
+    ref = hf_reference(path)
+    prompts = [plain.tokenizer(t).input_ids for t in TEXTS]
+    assert want == got == [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts + prompts[:1]]
+    offload = offloaded.engine.offload
+    first = len(prompts[0])
+    # Without the tier the first prompt's blocks were gone by its second turn; with it they came back.
+    assert offload.restored_blocks == (first - 1) // BLOCK  # every block a hit may cover
+    assert offload.tier.stats.stored > 0 and offload.tier.used_bytes <= offload.tier.capacity_bytes
+    gained = offloaded.engine.blocks.hit_tokens - plain.engine.blocks.hit_tokens
+    assert gained >= offload.restored_blocks * BLOCK
+    assert offloaded.engine.blocks.num_free_blocks == offloaded.engine.blocks.num_blocks
+
+
+def test_offload_needs_the_prefix_cache(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="prefix cache"):
+        LLM(str(tiny_checkpoint("llama")), dtype="float32", enable_prefix_caching=False,
+            kv_offload_host_memory="1MiB")
