@@ -62,6 +62,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse KV of prompt prefixes seen before
     # KV offload (kvyard/offload/): bytes of host memory for prefix-cache blocks the pool evicts; 0 = off
     kv_offload_host_memory: int | str = 0
+    kv_offload_disk: str | None = None  # a directory for KV blocks on local disk, kept across restarts
+    kv_offload_disk_capacity: int | str = "8GiB"
+    kv_offload_write: str = "back"  # back: blocks go to the tiers when the pool evicts them; through: when cached
     max_model_len: int | None = None  # default: the model's context window
     num_threads: int | None = None  # CPU threads for torch; default: all cores
     # Quantize linear weights while loading (int8, int4-g128, ...), or `gguf`: keep a GGUF file's
@@ -84,6 +87,10 @@ class EngineConfig:
         self.dtype = parse_dtype(self.dtype)
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         self.kv_offload_host_memory = parse_bytes(self.kv_offload_host_memory)
+        self.kv_offload_disk_capacity = parse_bytes(self.kv_offload_disk_capacity)
+        if self.kv_offload_write not in ("back", "through"):
+            raise InvalidRequestError(f"kv_offload_write must be back or through, got {self.kv_offload_write!r}",
+                                      param="kv_offload_write")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}",
                                       param="kv_cache_dtype")

@@ -74,6 +74,8 @@ class BlockManager:
         # Called with (block id, hash, tokens) just before a cached block is evicted for reuse, while its KV is
         # still intact (kvyard/offload/ writes it to a lower tier)
         self.on_evict: Callable[[int, bytes, tuple[int, ...]], None] | None = None
+        # Called the same way when `commit` registers a block in the prefix cache (write-through offload)
+        self.on_store: Callable[[int, bytes, tuple[int, ...]], None] | None = None
 
     # ---- KV events -----------------------------------------------------------------------------------
 
@@ -286,6 +288,8 @@ class BlockManager:
                 blk.hash, blk.tokens = hashes[i], tuple(req.token_ids[i * bs : (i + 1) * bs])
                 if self.cached.setdefault(blk.hash, blk.block_id) == blk.block_id:
                     stored.append(i)
+                    if self.on_store is not None:
+                        self.on_store(blk.block_id, blk.hash, blk.tokens)
         self.set_committed(req, max(self.committed(req), full))
         if self.events is not None and stored:
             self._record_stored(req.token_ids, hashes, stored)

@@ -6,6 +6,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -114,15 +115,27 @@ class LLMEngine:
 
     def _offload(self, caches: "list[LayerKV]") -> "KVOffload | None":
         cfg = self.cfg
-        if not cfg.kv_offload_host_memory:
+        if not cfg.kv_offload_host_memory and not cfg.kv_offload_disk:
             return None
         if not cfg.enable_prefix_caching or self.kv_groups != KVGroups():
             raise ConfigError("KV offload needs the prefix cache, and one KV pool (no sliding-window pools yet)",
                               param="kv_offload_host_memory")
+        from kvyard.disagg.blocks import layer_tensors
+        from kvyard.engine.block_manager import HASH_FUNCTION
+        from kvyard.offload.disk_tier import DiskTier, kv_fingerprint
         from kvyard.offload.host_tier import HostTier
-        from kvyard.offload.manager import KVOffload
+        from kvyard.offload.manager import KVOffload, Tier
 
-        offload = KVOffload(HostTier(int(cfg.kv_offload_host_memory)), caches, self.blocks, cfg.block_size)
+        tiers: list[Tier] = []
+        if cfg.kv_offload_host_memory:
+            tiers.append(HostTier(int(cfg.kv_offload_host_memory)))
+        if cfg.kv_offload_disk:
+            bs = cfg.block_size
+            layout = [[((bs, *t.shape[1:]), t.dtype) for t in layer_tensors(c)] for c in caches]
+            fingerprint = kv_fingerprint(str(self.model_path), str(cfg.dtype), cfg.quantization, cfg.kv_cache_dtype,
+                                         HASH_FUNCTION, layout)
+            tiers.append(DiskTier(Path(cfg.kv_offload_disk), int(cfg.kv_offload_disk_capacity), layout, fingerprint))
+        offload = KVOffload(tiers, caches, self.blocks, cfg.block_size, cfg.kv_offload_write)
         self.scheduler.restore = offload.restore
         return offload
 

@@ -92,6 +92,9 @@ class EngineStats:
     # Mixture of Experts (kvyard/models/moe.py): tokens routed to each expert, summed over layers, and imbalance
     moe_expert_tokens: tuple[int, ...] = ()
     moe_imbalance: float = 0.0
+    # KV offload (kvyard/offload/manager.py KVOffload.snapshot): per tier, its counters
+    offload: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    block_size: int = 16
 
 
 @dataclass
@@ -442,6 +445,9 @@ class AsyncEngine:
         if moes:
             tokens, imbalance = routing_stats(moes)
             self._stats = dataclasses.replace(self._stats, moe_expert_tokens=tokens, moe_imbalance=imbalance)
+        if eng.offload is not None:
+            self._stats = dataclasses.replace(self._stats, offload=eng.offload.snapshot(),
+                                              block_size=eng.cfg.block_size)
         if eng.spec is not None:
             spec = eng.spec.stats
             self._stats = dataclasses.replace(

@@ -64,9 +64,33 @@ class _EngineCollector(Collector):
             yield routed
             yield GaugeMetricFamily("kvyard_moe_imbalance", "Per MoE layer, the busiest expert's routed tokens "
                                     "over the mean expert's, averaged over the layers (1 = even)", value=s.moe_imbalance)
+        if s.offload:
+            yield from _offload_metrics(s)
         yield CounterMetricFamily("kvyard_num_steps", "Engine steps", value=s.num_steps)
         yield CounterMetricFamily("kvyard_engine_step_seconds", "Time inside engine steps (the rest of the engine "
                                   "thread's time goes to HTTP, queues and the GIL)", value=s.step_seconds)
+
+
+def _offload_metrics(s: EngineStats) -> Iterator[Metric]:
+    """The KV offload tiers (kvyard/offload/): hits, writes, size and fallbacks, labelled by tier."""
+    hits = CounterMetricFamily("kvyard_kv_offload_hit_tokens", "Prompt tokens whose KV came back from a tier",
+                               labels=["tier"])
+    stored = CounterMetricFamily("kvyard_kv_offload_stored_blocks", "KV blocks written to a tier", labels=["tier"])
+    evicted = CounterMetricFamily("kvyard_kv_offload_evicted_blocks", "KV blocks a tier dropped for room",
+                                  labels=["tier"])
+    size = GaugeMetricFamily("kvyard_kv_offload_bytes", "Bytes of KV a tier holds", labels=["tier"])
+    fallbacks = CounterMetricFamily("kvyard_kv_offload_fallbacks", "Tier entries that could not serve or be written "
+                                    "(missing, corrupt, dropped, write_errors): their requests recompute",
+                                    labels=["tier", "reason"])
+    for tier, c in s.offload.items():
+        hits.add_metric([tier], c["restored"] * s.block_size)
+        stored.add_metric([tier], c["stored"])
+        evicted.add_metric([tier], c["evicted"])
+        size.add_metric([tier], c["bytes"])
+        for key, value in c.items():
+            if key.startswith("fallback_"):
+                fallbacks.add_metric([tier, key.removeprefix("fallback_")], value)
+    yield from (hits, stored, evicted, size, fallbacks)
 
 
 class ServerMetrics:

@@ -41,7 +41,7 @@ def test_evicted_prefixes_come_back_from_host_memory_exactly(tiny_checkpoint):
     first = len(prompts[0])
     # Without the tier the first prompt's blocks were gone by its second turn; with it they came back.
     assert offload.restored_blocks == (first - 1) // BLOCK  # every block a hit may cover
-    assert offload.tier.stats.stored > 0 and offload.tier.used_bytes <= offload.tier.capacity_bytes
+    assert offload.tiers[0].stats.stored > 0 and offload.tiers[0].used_bytes <= offload.tiers[0].capacity_bytes
     gained = offloaded.engine.blocks.hit_tokens - plain.engine.blocks.hit_tokens
     assert gained >= offload.restored_blocks * BLOCK
     assert offloaded.engine.blocks.num_free_blocks == offloaded.engine.blocks.num_blocks
@@ -51,3 +51,32 @@ def test_offload_needs_the_prefix_cache(tiny_checkpoint):
     with pytest.raises(ConfigError, match="prefix cache"):
         LLM(str(tiny_checkpoint("llama")), dtype="float32", enable_prefix_caching=False,
             kv_offload_host_memory="1MiB")
+
+
+def _disk_engine(path, disk) -> LLM:
+    return LLM(str(path), dtype="float32", block_size=BLOCK, kv_cache_memory=_pool_bytes(path, 24),
+               kv_offload_disk=str(disk), kv_offload_write="through")
+
+
+def test_a_restarted_engine_finds_its_blocks_on_disk_and_damage_only_costs_a_recompute(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("llama")
+    ref = hf_reference(path)
+    first = _disk_engine(path, tmp_path)
+    prompt = first.tokenizer(TEXTS[1]).input_ids
+    want = hf_greedy(ref, prompt, GREEDY.max_tokens)
+    assert first.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
+    first.engine.offload.flush()
+    usable = (len(prompt) - 1) // BLOCK
+    # A new engine on the same directory (a restarted worker): the prompt's blocks come from disk.
+    again = _disk_engine(path, tmp_path)
+    assert again.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
+    assert again.engine.offload.restored == {"disk": usable}
+    # Damage every file: the next restart recomputes, counts each file, and answers the same.
+    files = sorted(again.engine.offload.tiers[0].dir.glob("*.kv"))
+    assert len(files) >= usable
+    for f in files:
+        f.write_bytes(f.read_bytes()[:-3])
+    damaged = _disk_engine(path, tmp_path)
+    assert damaged.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
+    disk = damaged.engine.offload.tiers[0]
+    assert damaged.engine.offload.restored_blocks == 0 and disk.stats.corrupt == 1  # the chain stops at the first

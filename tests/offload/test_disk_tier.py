@@ -1,0 +1,87 @@
+"""The disk tier: blocks found again by a new tier on the same directory, within its capacity, and every damaged
+file a counted miss, never an error."""
+
+import threading
+
+import torch
+
+from kvyard.offload.disk_tier import DiskTier
+
+LAYOUT = [[((4, 2, 8), torch.bfloat16), ((4, 2, 8), torch.bfloat16)] for _ in range(3)]
+
+
+def _block(seed: int) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(shape, generator=g).to(dtype) for shape, dtype in layer] for layer in LAYOUT]
+
+
+def _tier(root, capacity=1 << 20, fingerprint="f1") -> DiskTier:
+    return DiskTier(root, capacity, LAYOUT, fingerprint)
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for la, lb in zip(a, b, strict=True) for x, y in zip(la, lb, strict=True))
+
+
+def test_blocks_survive_a_new_tier_on_the_same_directory_only_for_the_same_fingerprint(tmp_path):
+    tier = _tier(tmp_path)
+    assert tier.put(b"\x01" * 32, (1, 2, 3, 4), _block(1))
+    tier.flush()
+    tier.close()
+    again = _tier(tmp_path)
+    got = again.get(b"\x01" * 32, (1, 2, 3, 4))
+    assert got is not None and _same(got.tensors, _block(1)) and again.stats.hits == 1
+    assert _tier(tmp_path, fingerprint="f2").get(b"\x01" * 32, (1, 2, 3, 4)) is None
+
+
+def test_the_directory_stays_within_its_capacity(tmp_path):
+    one = _tier(tmp_path / "probe")
+    one.put(b"\x00" * 32, (0,) * 4, _block(0))
+    one.flush()
+    size = one.used_bytes
+    tier = _tier(tmp_path, capacity=3 * size)
+    for i in range(5):
+        tier.put(bytes([i]) * 32, (i,) * 4, _block(i))
+        tier.flush()
+    assert tier.used_bytes <= 3 * size and len(tier) == 3 and tier.stats.evicted == 2
+    assert len(list(tier.dir.glob("*.kv"))) == 3
+    assert tier.get(bytes([0]) * 32, (0,) * 4) is None and tier.get(bytes([4]) * 32, (4,) * 4) is not None
+
+
+def test_damaged_files_are_counted_misses_and_removed(tmp_path):
+    tier = _tier(tmp_path)
+    keys = [bytes([i]) * 32 for i in range(4)]
+    for i, h in enumerate(keys):
+        tier.put(h, (i,) * 4, _block(i))
+    tier.flush()
+    path = tier._path
+    data = path(keys[0]).read_bytes()
+    path(keys[0]).write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # one flipped byte: the CRC-32 catches it
+    path(keys[1]).write_bytes(data[: len(data) // 2])  # truncated
+    path(keys[2]).unlink()  # deleted behind the index's back
+    assert tier.get(keys[0], (0,) * 4) is None and tier.get(keys[1], (1,) * 4) is None
+    assert tier.get(keys[2], (2,) * 4) is None
+    assert tier.get(keys[3], (9,) * 4) is None  # other tokens under the same hash
+    assert (tier.stats.corrupt, tier.stats.missing) == (3, 1)
+    assert len(tier) == 0 and not list(tier.dir.glob("*.kv"))
+
+
+def test_a_full_queue_drops_the_write_and_counts_it(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20, LAYOUT, "f", max_pending=1)
+    release, writing = threading.Event(), threading.Event()
+    write = tier._write
+
+    def slow_write(*args):
+        writing.set()
+        release.wait(10)
+        write(*args)
+
+    tier._write = slow_write  # type: ignore[method-assign]
+    assert tier.put(b"\x00" * 32, (0,) * 4, _block(0))
+    assert writing.wait(10)  # the writer holds the first block
+    assert tier.put(b"\x01" * 32, (1,) * 4, _block(1))  # the queue's one place
+    assert not tier.put(b"\x02" * 32, (2,) * 4, _block(2))  # no room: dropped, not waited for
+    release.set()
+    tier.flush()
+    assert (tier.stats.stored, tier.stats.dropped) == (2, 1)
+    assert b"\x02" * 32 not in tier and tier.get(b"\x01" * 32, (1,) * 4) is not None
