@@ -64,6 +64,7 @@ class EngineConfig:
     kv_offload_host_memory: int | str = 0
     kv_offload_disk: str | None = None  # a directory for KV blocks on local disk, kept across restarts
     kv_offload_disk_capacity: int | str = "8GiB"
+    kv_offload_redis: str | None = None  # redis://host:port/db of a KV tier the replicas share
     kv_offload_write: str = "back"  # back: blocks go to the tiers when the pool evicts them; through: when cached
     max_model_len: int | None = None  # default: the model's context window
     num_threads: int | None = None  # CPU threads for torch; default: all cores

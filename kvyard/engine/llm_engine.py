@@ -115,7 +115,7 @@ class LLMEngine:
 
     def _offload(self, caches: "list[LayerKV]") -> "KVOffload | None":
         cfg = self.cfg
-        if not cfg.kv_offload_host_memory and not cfg.kv_offload_disk:
+        if not (cfg.kv_offload_host_memory or cfg.kv_offload_disk or cfg.kv_offload_redis):
             return None
         if not cfg.enable_prefix_caching or self.kv_groups != KVGroups():
             raise ConfigError("KV offload needs the prefix cache, and one KV pool (no sliding-window pools yet)",
@@ -126,15 +126,20 @@ class LLMEngine:
         from kvyard.offload.host_tier import HostTier
         from kvyard.offload.manager import KVOffload, Tier
 
+        bs = cfg.block_size
+        layout = [[((bs, *t.shape[1:]), t.dtype) for t in layer_tensors(c)] for c in caches]
+        # The model by its file's name and size (replicas may hold it at other paths), and all that shapes its KV
+        fingerprint = kv_fingerprint(self.model_path.name, _size_of(self.model_path), str(cfg.dtype),
+                                     cfg.quantization, cfg.kv_cache_dtype, HASH_FUNCTION, layout)
         tiers: list[Tier] = []
         if cfg.kv_offload_host_memory:
             tiers.append(HostTier(int(cfg.kv_offload_host_memory)))
         if cfg.kv_offload_disk:
-            bs = cfg.block_size
-            layout = [[((bs, *t.shape[1:]), t.dtype) for t in layer_tensors(c)] for c in caches]
-            fingerprint = kv_fingerprint(str(self.model_path), str(cfg.dtype), cfg.quantization, cfg.kv_cache_dtype,
-                                         HASH_FUNCTION, layout)
             tiers.append(DiskTier(Path(cfg.kv_offload_disk), int(cfg.kv_offload_disk_capacity), layout, fingerprint))
+        if cfg.kv_offload_redis:
+            from kvyard.offload.redis_tier import RedisTier
+
+            tiers.append(RedisTier(cfg.kv_offload_redis, layout, fingerprint))
         offload = KVOffload(tiers, caches, self.blocks, cfg.block_size, cfg.kv_offload_write)
         self.scheduler.restore = offload.restore
         return offload
@@ -450,3 +455,10 @@ class LLMEngine:
         finally:
             self.blocks.free(req)
         return logits if all_positions else logits[0]
+
+
+def _size_of(path: Path) -> int:
+    """Bytes of a checkpoint file, or of a directory's files."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

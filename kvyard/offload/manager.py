@@ -1,5 +1,5 @@
-"""Moves KV blocks between the engine's pool and the tiers below it: host memory (host_tier.py) and local disk
-(disk_tier.py), each optional. Tiers are inclusive: a block goes to every tier, so each lower one (larger)
+"""Moves KV blocks between the engine's pool and the tiers below it: host memory (host_tier.py), local disk
+(disk_tier.py) and Redis shared by the replicas (redis_tier.py), each optional, looked up in that order. Tiers are inclusive: a block goes to every tier, so each lower one (larger)
 adds capacity, and the disk keeps what a restarted worker can use.
 
 - Write-back (default): a cached block that the pool evicts for room is copied to the tiers first; its KV is
@@ -21,11 +21,12 @@ from kvyard.engine.request import Request
 from kvyard.models.kv_layer import LayerKV
 from kvyard.offload.disk_tier import DiskTier
 from kvyard.offload.host_tier import HostTier, TierBlock
+from kvyard.offload.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 
 
-Tier = HostTier | DiskTier
+Tier = HostTier | DiskTier | RedisTier
 WRITE_POLICIES = ("back", "through")
 
 
@@ -107,18 +108,19 @@ class KVOffload:
         out = {}
         for t in self.tiers:
             st = t.stats
-            fallbacks = {k: getattr(st, k) for k in ("missing", "corrupt", "dropped", "write_errors") if hasattr(st, k)}
+            fallbacks = {k: getattr(st, k) for k in ("missing", "corrupt", "dropped", "write_errors", "unreachable")
+                         if hasattr(st, k)}
             out[t.name] = {"restored": self.restored[t.name], "stored": st.stored, "evicted": st.evicted,
                            "bytes": t.used_bytes, **{"fallback_" + k: v for k, v in fallbacks.items()}}
         return out
 
     def flush(self) -> None:
-        """Wait for the disk tier's queued writes."""
+        """Wait for the slow tiers' queued writes."""
         for t in self.tiers:
-            if isinstance(t, DiskTier):
+            if not isinstance(t, HostTier):
                 t.flush()
 
     def close(self) -> None:
         for t in self.tiers:
-            if isinstance(t, DiskTier):
+            if not isinstance(t, HostTier):
                 t.close()

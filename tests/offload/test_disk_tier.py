@@ -69,14 +69,14 @@ def test_damaged_files_are_counted_misses_and_removed(tmp_path):
 def test_a_full_queue_drops_the_write_and_counts_it(tmp_path):
     tier = DiskTier(tmp_path, 1 << 20, LAYOUT, "f", max_pending=1)
     release, writing = threading.Event(), threading.Event()
-    write = tier._write
+    write = tier.writer.write
 
     def slow_write(*args):
         writing.set()
         release.wait(10)
         write(*args)
 
-    tier._write = slow_write  # type: ignore[method-assign]
+    tier.writer.write = slow_write
     assert tier.put(b"\x00" * 32, (0,) * 4, _block(0))
     assert writing.wait(10)  # the writer holds the first block
     assert tier.put(b"\x01" * 32, (1,) * 4, _block(1))  # the queue's one place

@@ -80,3 +80,26 @@ def test_a_restarted_engine_finds_its_blocks_on_disk_and_damage_only_costs_a_rec
     assert damaged.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
     disk = damaged.engine.offload.tiers[0]
     assert damaged.engine.offload.restored_blocks == 0 and disk.stats.corrupt == 1  # the chain stops at the first
+
+
+def _redis_engine(path, url) -> LLM:
+    return LLM(str(path), dtype="float32", block_size=BLOCK, kv_cache_memory=_pool_bytes(path, 24),
+               kv_offload_redis=url, kv_offload_write="through")
+
+
+def test_a_prefix_one_replica_computed_is_a_hit_on_another_through_redis(tiny_checkpoint, redis_server):
+    path = tiny_checkpoint("llama")
+    ref = hf_reference(path)
+    a, b = _redis_engine(path, redis_server.url), _redis_engine(path, redis_server.url)
+    prompt = a.tokenizer(TEXTS[2]).input_ids
+    want = hf_greedy(ref, prompt, GREEDY.max_tokens)
+    assert a.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
+    a.engine.offload.flush()
+    assert b.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
+    assert b.engine.offload.restored == {"redis": (len(prompt) - 1) // BLOCK}
+    # Redis gone in the middle of the run: the requests still complete, and the failure is counted.
+    redis_server.stop()
+    again = [a.tokenizer(t).input_ids for t in TEXTS[:2]]
+    outs = [o.outputs[0].token_ids for o in b.generate(again, GREEDY)]
+    assert outs == [hf_greedy(ref, p, GREEDY.max_tokens) for p in again]
+    assert b.engine.offload.snapshot()["redis"]["fallback_unreachable"] >= 1

@@ -1,0 +1,48 @@
+"""A KV block as bytes, for the tiers that store bytes (disk files, Redis values).
+
+Layout: a header (magic, token count, CRC-32 and length of the body), then the body: the block's tokens as
+int64 and its tensors' bytes as the cache stores them, layer after layer. Decoding checks all of it, so a
+truncated or corrupt entry, or one holding other tokens, reads as nothing rather than as wrong KV.
+"""
+
+import struct
+import zlib
+
+import numpy as np
+import torch
+
+MAGIC = b"KVYD1"
+_HEADER = struct.Struct("<5sIIQ")  # magic, tokens, crc32(body), len(body)
+
+# Per layer, per stored tensor: the shape and dtype of one block of it.
+BlockLayout = list[list[tuple[tuple[int, ...], torch.dtype]]]
+
+
+def encode_block(tokens: tuple[int, ...], tensors: list[list[torch.Tensor]]) -> bytes:
+    body = np.asarray(tokens, dtype=np.int64).tobytes() + b"".join(
+        t.contiguous().view(torch.uint8).numpy().tobytes() for layer in tensors for t in layer)
+    return _HEADER.pack(MAGIC, len(tokens), zlib.crc32(body), len(body)) + body
+
+
+def decode_block(data: bytes, tokens: tuple[int, ...], layout: BlockLayout) -> list[list[torch.Tensor]] | None:
+    """The block's tensors, or None when `data` is damaged or holds other tokens."""
+    if len(data) < _HEADER.size:
+        return None
+    magic, n, crc, length = _HEADER.unpack_from(data)
+    body = data[_HEADER.size :]
+    if magic != MAGIC or len(body) != length or zlib.crc32(body) != crc or n != len(tokens):
+        return None
+    if tuple(np.frombuffer(body, dtype=np.int64, count=n).tolist()) != tokens:
+        return None
+    offset, out = 8 * n, []
+    for layer in layout:
+        tensors = []
+        for shape, dtype in layer:
+            size = int(np.prod(shape)) * dtype.itemsize
+            if offset + size > len(body):
+                return None
+            raw = torch.frombuffer(bytearray(body[offset : offset + size]), dtype=torch.uint8)
+            tensors.append(raw.view(dtype).view(shape))
+            offset += size
+        out.append(tensors)
+    return out if offset == len(body) else None

@@ -1,0 +1,120 @@
+"""A KV tier in Redis, shared by the replicas of one deployment: a prefix one replica computed is a hit on another.
+
+Keys are `kvyard:kv:<fingerprint>:<block hash>`, values the block's bytes as codec.py lays them out, so a
+replica only reads blocks of the same model and KV layout, and a damaged value is a counted miss. The budget
+is the Redis server's own (`maxmemory` with an LRU policy, shared by every replica writing to it); each block
+is also written with a time to live, so an unbounded server does not keep blocks forever.
+
+Redis being slow or gone never stalls or fails a request: calls time out fast, a failure is counted and the
+tier is skipped for a few seconds before it is tried again; writes go through a QueuedWriter off the engine's
+thread. The request recomputes what the tier could not give.
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import redis
+import torch
+
+from kvyard.offload.codec import BlockLayout, decode_block, encode_block
+from kvyard.offload.host_tier import TierBlock, tensors_nbytes
+from kvyard.offload.writer import QueuedWriter
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 5.0  # after a failure, the tier is skipped this long
+
+
+@dataclass
+class RedisStats:
+    stored: int = 0
+    hits: int = 0
+    evicted: int = 0  # Redis evicts on its own; kept for the shared metric names
+    corrupt: int = 0
+    dropped: int = 0
+    write_errors: int = 0
+    unreachable: int = 0  # calls that failed or timed out
+
+
+@dataclass
+class RedisTier:
+    url: str
+    layout: BlockLayout
+    fingerprint: str
+    ttl_s: int = 24 * 3600
+    timeout_s: float = 0.25
+    max_pending: int = 256
+    name: str = "redis"
+    stats: RedisStats = field(default_factory=RedisStats)
+
+    def __post_init__(self) -> None:
+        self.client = redis.Redis.from_url(self.url, socket_timeout=self.timeout_s,
+                                           socket_connect_timeout=self.timeout_s)
+        self.prefix = f"kvyard:kv:{self.fingerprint}:".encode()
+        self.used_bytes = 0  # what this worker wrote; the server's own budget bounds the whole tier
+        self._down_until = 0.0
+        self.writer = QueuedWriter(self._write, self.name, self.max_pending, self._failed)
+
+    def _key(self, h: bytes) -> bytes:
+        return self.prefix + h.hex().encode()
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, e: Exception) -> None:
+        self.stats.unreachable += 1
+        if self.available:
+            log.warning("Redis KV tier %s failed (%s); skipping it for %.0f s", self.url, e, RETRY_AFTER_S)
+        self._down_until = time.monotonic() + RETRY_AFTER_S
+
+    def __contains__(self, h: bytes) -> bool:
+        if h in self.writer.pending:
+            return True
+        if not self.available:
+            return True  # nothing to gain from writing now: report it present so that no write is queued
+        try:
+            return bool(self.client.exists(self._key(h)))
+        except redis.RedisError as e:
+            self._failed(e)
+            return True
+
+    def put(self, h: bytes, tokens: tuple[int, ...], tensors: list[list[torch.Tensor]]) -> bool:
+        if not self.available:
+            return False
+        queued = self.writer.submit(h, tokens, tensors)
+        self.stats.dropped = self.writer.dropped
+        return queued
+
+    def _write(self, h: bytes, tokens: tuple[int, ...], tensors: list[list[torch.Tensor]]) -> None:
+        if not self.available:
+            return
+        data = encode_block(tokens, tensors)
+        self.client.set(self._key(h), data, ex=self.ttl_s)
+        self.stats.stored += 1
+        self.used_bytes += len(data)
+
+    def get(self, h: bytes, tokens: tuple[int, ...]) -> TierBlock | None:
+        if not self.available:
+            return None
+        try:
+            data = self.client.get(self._key(h))
+        except redis.RedisError as e:
+            self._failed(e)
+            return None
+        if data is None:
+            return None
+        tensors = decode_block(data, tokens, self.layout)  # type: ignore[arg-type]
+        if tensors is None:
+            self.stats.corrupt += 1
+            return None
+        self.stats.hits += 1
+        return TierBlock(tokens, tensors, tensors_nbytes(tensors))
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+        self.client.close()

@@ -1,0 +1,38 @@
+"""The Redis tier: blocks round-trip through a real redis-server, a damaged value is a counted miss, and a
+server that is gone costs a counted, fast miss, never an error."""
+
+import time
+
+import redis
+
+from kvyard.offload.redis_tier import RedisTier
+from tests.offload.test_disk_tier import LAYOUT, _block, _same
+
+
+def test_blocks_round_trip_and_damage_is_a_counted_miss(redis_server):
+    tier = RedisTier(redis_server.url, LAYOUT, "f1")
+    h = b"\x07" * 32
+    assert h not in tier and tier.put(h, (1, 2, 3, 4), _block(7))
+    tier.flush()
+    assert h in tier and tier.stats.stored == 1
+    got = RedisTier(redis_server.url, LAYOUT, "f1").get(h, (1, 2, 3, 4))  # another replica reads it
+    assert got is not None and _same(got.tensors, _block(7))
+    assert RedisTier(redis_server.url, LAYOUT, "f2").get(h, (1, 2, 3, 4)) is None  # another model's KV
+    client = redis.Redis.from_url(redis_server.url)
+    client.set(tier._key(h), client.get(tier._key(h))[:-5])  # truncated
+    assert tier.get(h, (1, 2, 3, 4)) is None and tier.stats.corrupt == 1
+    tier.put(b"\x08" * 32, (5,) * 4, _block(8))
+    tier.flush()
+    assert 0 < client.ttl(tier._key(b"\x08" * 32)) <= tier.ttl_s
+
+
+def test_a_stopped_server_is_skipped_fast_and_counted(redis_server):
+    tier = RedisTier(redis_server.url, LAYOUT, "f1")
+    tier.put(b"\x01" * 32, (1,) * 4, _block(1))
+    tier.flush()
+    redis_server.stop()
+    started = time.monotonic()
+    assert tier.get(b"\x01" * 32, (1,) * 4) is None
+    assert time.monotonic() - started < 2.0 and tier.stats.unreachable == 1 and not tier.available
+    assert tier.get(b"\x01" * 32, (1,) * 4) is None and tier.stats.unreachable == 1  # skipped, not retried
+    assert not tier.put(b"\x02" * 32, (2,) * 4, _block(2))
