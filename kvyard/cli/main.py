@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvyard.bench.disagg import add_disagg_bench_parser
     from kvyard.bench.kv_transfer import add_kv_transfer_bench_parser
     from kvyard.bench.offline import add_offline_bench_parser
+    from kvyard.bench.offload import add_offload_bench_parser
     from kvyard.bench.prefix import add_prefix_bench_parser
     from kvyard.bench.quant import add_quant_bench_parser
     from kvyard.bench.ray_route import add_ray_bench_parser
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_bench_parser(bench)
     add_disagg_bench_parser(bench)
     add_kv_transfer_bench_parser(bench)
+    add_offload_bench_parser(bench)
     add_step_profile_parser(bench)
     return parser
 

@@ -117,9 +117,9 @@ class LLMEngine:
         cfg = self.cfg
         if not (cfg.kv_offload_host_memory or cfg.kv_offload_disk or cfg.kv_offload_redis):
             return None
-        if not cfg.enable_prefix_caching or self.kv_groups != KVGroups():
-            raise ConfigError("KV offload needs the prefix cache, and one KV pool (no sliding-window pools yet)",
-                              param="kv_offload_host_memory")
+        if not cfg.enable_prefix_caching or self.kv_groups != KVGroups() or self.model_config.is_mla:
+            raise ConfigError("KV offload needs the prefix cache, and one KV pool of per-head K and V (no "
+                              "sliding-window pools or latent caches yet)", param="kv_offload_host_memory")
         from kvyard.disagg.blocks import layer_tensors
         from kvyard.engine.block_manager import HASH_FUNCTION
         from kvyard.offload.disk_tier import DiskTier, kv_fingerprint
@@ -133,7 +133,7 @@ class LLMEngine:
                                      cfg.quantization, cfg.kv_cache_dtype, HASH_FUNCTION, layout)
         tiers: list[Tier] = []
         if cfg.kv_offload_host_memory:
-            tiers.append(HostTier(int(cfg.kv_offload_host_memory)))
+            tiers.append(HostTier(int(cfg.kv_offload_host_memory), layout))
         if cfg.kv_offload_disk:
             tiers.append(DiskTier(Path(cfg.kv_offload_disk), int(cfg.kv_offload_disk_capacity), layout, fingerprint))
         if cfg.kv_offload_redis:
@@ -262,6 +262,8 @@ class LLMEngine:
             self.spec.propose(self.scheduler.running)  # drafts in req.spec_token_ids, budgeted by schedule()
         with record_function("kvyard.schedule"):  # phases, for `kvyard bench step-profile`
             batch = self.scheduler.schedule()
+        if self.offload is not None:  # blocks evicted while scheduling, out before the forward pass reuses them
+            self.offload.write_queued()
         if not batch.requests:
             return outputs
         try:
@@ -445,6 +447,8 @@ class LLMEngine:
         if not self.blocks.can_fit(req, len(token_ids)):
             raise PromptTooLongError("not enough free KV blocks to score this prompt now", param="prompt")
         self.blocks.grow(req, len(token_ids))
+        if self.offload is not None:
+            self.offload.write_queued()
         try:
             batch = ScheduledBatch()
             batch.add(req, len(token_ids))

@@ -1,8 +1,10 @@
-"""A tier of KV blocks in host memory below the engine's pool: blocks keyed by their chained prefix-cache hash,
-least recently used first out, never more bytes than its capacity.
+"""A tier of KV blocks in host memory below the engine's pool: a pool of its own, laid out as the engine's caches
+are (per layer, per stored tensor, `num_blocks * block_size` rows), so that moving any number of blocks either
+way is one row copy per layer and tensor. Blocks are keyed by their chained prefix-cache hash, least recently
+used first out; the pool's size is the capacity, so the tier can never hold more.
 
-An entry keeps the block's tokens beside its KV, and a lookup compares them, so a hash collision can never serve
-wrong KV (as in the pool's own prefix cache).
+An entry keeps the block's tokens, and a lookup compares them, so a hash collision can never serve wrong KV
+(as in the pool's own prefix cache).
 """
 
 from collections import OrderedDict
@@ -10,9 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvyard.offload.codec import BlockLayout
+
 
 @dataclass
 class TierBlock:
+    """A block read from a tier that stores bytes (disk, Redis)."""
+
     tokens: tuple[int, ...]
     tensors: list[list[torch.Tensor]]  # per layer, the block's [k, v] (and int8 scales) as the cache stores them
     nbytes: int
@@ -22,21 +28,33 @@ def tensors_nbytes(tensors: list[list[torch.Tensor]]) -> int:
     return sum(t.nbytes for layer in tensors for t in layer)
 
 
+def block_nbytes(layout: BlockLayout) -> int:
+    return sum(int(torch.Size(shape).numel()) * dtype.itemsize for layer in layout for shape, dtype in layer)
+
+
 @dataclass
 class TierStats:
     stored: int = 0  # blocks written
     hits: int = 0  # blocks read back
     evicted: int = 0  # blocks dropped for room
-    rejected: int = 0  # blocks larger than the whole tier
 
 
 @dataclass
 class HostTier:
     capacity_bytes: int
-    entries: OrderedDict[bytes, TierBlock] = field(default_factory=OrderedDict)  # front = least recently used
-    used_bytes: int = 0
-    stats: TierStats = field(default_factory=TierStats)
+    layout: BlockLayout
     name: str = "host"
+    stats: TierStats = field(default_factory=TierStats)
+
+    def __post_init__(self) -> None:
+        self.block_bytes = block_nbytes(self.layout)
+        self.block_size = self.layout[0][0][0][0]
+        self.num_blocks = self.capacity_bytes // self.block_bytes
+        # torch.empty: the OS commits pages only as blocks are written, so an unused budget costs nothing
+        self.pool = [[torch.empty((self.num_blocks * shape[0], *shape[1:]), dtype=dtype) for shape, dtype in layer]
+                     for layer in self.layout]
+        self.entries: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()  # hash -> (slot, tokens)
+        self.free = list(range(self.num_blocks))
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -44,28 +62,53 @@ class HostTier:
     def __contains__(self, h: bytes) -> bool:
         return h in self.entries
 
-    def put(self, h: bytes, tokens: tuple[int, ...], tensors: list[list[torch.Tensor]]) -> bool:
-        """Keep a block (a copy the caller no longer writes); False when it cannot fit at all."""
-        if h in self.entries:
-            self.entries.move_to_end(h)
-            return True
-        nbytes = tensors_nbytes(tensors)
-        if nbytes > self.capacity_bytes:
-            self.stats.rejected += 1
-            return False
-        while self.used_bytes + nbytes > self.capacity_bytes:
-            _, old = self.entries.popitem(last=False)
-            self.used_bytes -= old.nbytes
-            self.stats.evicted += 1
-        self.entries[h] = TierBlock(tokens, tensors, nbytes)
-        self.used_bytes += nbytes
-        self.stats.stored += 1
-        return True
+    @property
+    def used_bytes(self) -> int:
+        return len(self.entries) * self.block_bytes
 
-    def get(self, h: bytes, tokens: tuple[int, ...]) -> TierBlock | None:
+    def _slot(self) -> int:
+        if not self.free:
+            _, (slot, _) = self.entries.popitem(last=False)
+            self.stats.evicted += 1
+            return slot
+        return self.free.pop()
+
+    def store(self, items: list[tuple[bytes, tuple[int, ...]]], src: list[list[torch.Tensor]]) -> None:
+        """Keep blocks i of `src` (per layer, tensors of len(items) blocks) under items[i]'s hash and tokens."""
+        slots, rows = [], []
+        for i, (h, tokens) in enumerate(items):
+            if h in self.entries:
+                self.entries.move_to_end(h)  # unchanged (a hash names its KV): refresh its place only
+                continue
+            if self.num_blocks == 0 or len(slots) == self.num_blocks:
+                break
+            slot = self._slot()
+            self.entries[h] = (slot, tokens)
+            slots.append(slot)
+            rows.append(i)
+        if slots:
+            _copy_blocks(src, rows, self.pool, slots, self.block_size)
+            self.stats.stored += len(slots)
+
+    def lookup(self, h: bytes, tokens: tuple[int, ...]) -> int | None:
+        """The slot holding this block, or None."""
         entry = self.entries.get(h)
-        if entry is None or entry.tokens != tokens:
+        if entry is None or entry[1] != tokens:
             return None
         self.entries.move_to_end(h)
         self.stats.hits += 1
-        return entry
+        return entry[0]
+
+    def load(self, slots: list[int], dst: list[list[torch.Tensor]], blocks: list[int]) -> None:
+        """Copy slots[i] into block blocks[i] of `dst` (the engine's caches, per layer and stored tensor)."""
+        _copy_blocks(self.pool, slots, dst, blocks, self.block_size)
+
+
+def _copy_blocks(src: list[list[torch.Tensor]], src_blocks: list[int], dst: list[list[torch.Tensor]],
+                 dst_blocks: list[int], block_size: int) -> None:
+    """dst's blocks dst_blocks[i] = src's blocks src_blocks[i], one row copy per layer and tensor."""
+    si, di = torch.tensor(src_blocks), torch.tensor(dst_blocks)
+    for src_layer, dst_layer in zip(src, dst, strict=True):
+        for s, d in zip(src_layer, dst_layer, strict=True):
+            blocks = s.view(-1, block_size, *s.shape[1:]).index_select(0, si)
+            d.view(-1, block_size, *d.shape[1:]).index_copy_(0, di, blocks)

@@ -1,12 +1,14 @@
 """Moves KV blocks between the engine's pool and the tiers below it: host memory (host_tier.py), local disk
-(disk_tier.py) and Redis shared by the replicas (redis_tier.py), each optional, looked up in that order. Tiers are inclusive: a block goes to every tier, so each lower one (larger)
-adds capacity, and the disk keeps what a restarted worker can use.
+(disk_tier.py) and Redis shared by the replicas (redis_tier.py), each optional, looked up in that order. Tiers
+are inclusive: a block goes to every tier, so each lower (larger) one adds capacity, and the disk keeps what a
+restarted worker can use.
 
-- Write-back (default): a cached block that the pool evicts for room is copied to the tiers first; its KV is
-  intact until the pool hands the block out, which is right after. Write-through: every block is copied as
-  soon as the prefix cache registers it, so the tiers hold what the pool holds too (what a restart needs).
+- Write-back (default): a cached block that the pool evicts for room is queued for the tiers; write-through:
+  every block is queued as soon as the prefix cache registers it (what a restart needs). Either way its KV stays
+  intact until the next forward pass, so `write_queued` copies all the step's blocks in one gather just before
+  it (and before a restore writes into the pool): a row copy per layer, not per block.
 - Restore: before a request is admitted, the blocks of its prompt that follow the pool's own cached prefix and
-  are in the tier go back into the pool's prefix cache (`BlockManager.adopt`), so the scheduler hits them like
+  are in a tier go back into the pool's prefix cache (`BlockManager.adopt`), so the scheduler hits them like
   any cached prefix and the request computes only what neither holds. The pool's KV events report them as
   stored, so a cache-aware router sees them too.
 """
@@ -15,8 +17,9 @@ import logging
 
 import torch
 
-from kvyard.disagg.blocks import gather_blocks, scatter_blocks
+from kvyard.disagg.blocks import gather_blocks, layer_tensors, scatter_blocks
 from kvyard.engine.block_manager import BlockManager
+from kvyard.engine.kv_handoff import select_blocks
 from kvyard.engine.request import Request
 from kvyard.models.kv_layer import LayerKV
 from kvyard.offload.disk_tier import DiskTier
@@ -25,9 +28,11 @@ from kvyard.offload.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 
-
 Tier = HostTier | DiskTier | RedisTier
+ByteTier = DiskTier | RedisTier
 WRITE_POLICIES = ("back", "through")
+# Where a block to restore is: a slot of the host tier, or a block read from a tier of bytes
+Found = tuple[HostTier, int] | tuple[ByteTier, TierBlock]
 
 
 class KVOffload:
@@ -38,6 +43,7 @@ class KVOffload:
         self.blocks = blocks
         self.block_size = block_size
         self.restored = {t.name: 0 for t in tiers}  # blocks put back into the pool, by the tier they came from
+        self._queued: list[tuple[int, bytes, tuple[int, ...]]] = []  # (block id, hash, tokens) to write
         if write == "through":
             blocks.on_store = self.save
         else:
@@ -47,30 +53,48 @@ class KVOffload:
     def restored_blocks(self) -> int:
         return sum(self.restored.values())
 
-    def save(self, block_id: int, h: bytes, tokens: tuple[int, ...]) -> None:
-        missing = [t for t in self.tiers if h not in t]
-        for t in self.tiers:
-            if t not in missing and isinstance(t, HostTier):
-                t.entries.move_to_end(h)  # written before and unchanged (a hash names its KV): refresh its place
-        if missing:
-            tensors = gather_blocks(self.caches, [block_id], self.block_size)  # a copy, which the tiers keep
-            for t in missing:
-                t.put(h, tokens, tensors)
+    # ---- writing -------------------------------------------------------------------------------------
 
-    def lookup(self, h: bytes, tokens: tuple[int, ...]) -> tuple[TierBlock, Tier] | None:
+    def save(self, block_id: int, h: bytes, tokens: tuple[int, ...]) -> None:
+        self._queued.append((block_id, h, tokens))
+
+    def write_queued(self) -> None:
+        """Copy the queued blocks to the tiers that lack them: one gather out of the pool for all of them."""
+        queued, self._queued = self._queued, []
+        wanted = [(b, h, t, [tier for tier in self.tiers if h not in tier]) for b, h, t in queued]
+        wanted = [w for w in wanted if w[3]]
+        if not wanted:
+            return
+        src = gather_blocks(self.caches, [b for b, _, _, _ in wanted], self.block_size)
+        for tier in self.tiers:
+            rows = [i for i, w in enumerate(wanted) if tier in w[3]]
+            if isinstance(tier, HostTier):
+                tier.store([(wanted[i][1], wanted[i][2]) for i in rows], select_blocks(src, rows, self.block_size))
+            else:
+                for i in rows:  # views of this step's gather, which the writer keeps until it has written them
+                    tier.put(wanted[i][1], wanted[i][2], select_blocks(src, [i], self.block_size))
+
+    # ---- restoring -----------------------------------------------------------------------------------
+
+    def lookup(self, h: bytes, tokens: tuple[int, ...]) -> Found | None:
         for t in self.tiers:
-            entry = t.get(h, tokens)
-            if entry is not None:
-                return entry, t
+            if isinstance(t, HostTier):
+                slot = t.lookup(h, tokens)
+                if slot is not None:
+                    return t, slot
+            else:
+                entry = t.get(h, tokens)
+                if entry is not None:
+                    return t, entry
         return None
 
     def restore(self, req: Request) -> int:
-        """Put the tier's blocks of the request's prompt prefix back into the pool; returns how many."""
+        """Put the tiers' blocks of the request's prompt prefix back into the pool; returns how many."""
         blocks, bs = self.blocks, self.block_size
         if req.needs_prompt_logprobs or req.num_computed_tokens:
             return 0
         hashes = blocks.prompt_hashes(req)
-        found: list[tuple[TierBlock, Tier] | None] = []  # per leading block: a tier's copy, None: the pool has it
+        found: list[Found | None] = []  # per leading block: where a tier has it; None: the pool has it
         for i, h in enumerate(hashes):
             tokens = tuple(req.token_ids[i * bs : (i + 1) * bs])
             b = blocks.cached.get(h)
@@ -82,26 +106,36 @@ class KVOffload:
                 break
             found.append(hit)
         while found and found[-1] is None:
-            found.pop()  # what the pool holds after the tier's last block needs no restoring
-        if not any(e is not None for e in found):
+            found.pop()  # what the pool holds after the tiers' last block needs no restoring
+        if not any(f is not None for f in found):
             return 0
         n = len(found)
         taken = blocks.adopt(req.token_ids[: n * bs], hashes[:n])
+        self.write_queued()  # adopt may have evicted blocks for room: copy them out before they are overwritten
         # A block the pool held when we looked may have been evicted by adopt itself: no copy of it here.
         lost = [b for i, b in taken if found[i] is None]
-        fill = [(b, found[i]) for i, b in taken if found[i] is not None]
         if lost:
             blocks.forget(lost)
             blocks.release(lost)
+        fill = [(b, found[i]) for i, b in taken if found[i] is not None]
+        for tier in self.tiers:
+            mine = [(b, where[1]) for b, where in fill if where is not None and where[0] is tier]
+            if not mine:
+                continue
+            ids = [b for b, _ in mine]
+            if isinstance(tier, HostTier):
+                tier.load([slot for _, slot in mine], [layer_tensors(c) for c in self.caches], ids)  # type: ignore[misc]
+            else:
+                entries: list[TierBlock] = [e for _, e in mine]  # type: ignore[misc]
+                per_layer = [[torch.cat(parts) for parts in zip(*(e.tensors[layer] for e in entries), strict=True)]
+                             for layer in range(len(self.caches))]
+                scatter_blocks(self.caches, ids, bs, per_layer)
+            self.restored[tier.name] += len(ids)
         if fill:
-            ids = [b for b, _ in fill]
-            per_layer = [[torch.cat(parts) for parts in zip(*(e.tensors[layer] for _, (e, _) in fill), strict=True)]
-                         for layer in range(len(self.caches))]
-            scatter_blocks(self.caches, ids, bs, per_layer)
-            blocks.release(ids)
-            for _, (_, tier) in fill:
-                self.restored[tier.name] += 1
+            blocks.release([b for b, _ in fill])
         return len(fill)
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """Per tier: blocks restored, stored and evicted, bytes held, and each kind of fallback (kvyard_kv_offload_*)."""
@@ -115,7 +149,8 @@ class KVOffload:
         return out
 
     def flush(self) -> None:
-        """Wait for the slow tiers' queued writes."""
+        """Write what is queued, and wait for the slow tiers' writes."""
+        self.write_queued()
         for t in self.tiers:
             if not isinstance(t, HostTier):
                 t.flush()

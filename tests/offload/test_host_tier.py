@@ -1,32 +1,43 @@
-"""The host-memory tier: LRU within a byte budget, tokens checked on every lookup."""
+"""The host-memory tier: a pool of its own, LRU within its byte budget, tokens checked on every lookup, and
+blocks moved in and out by row copies."""
 
 import torch
 
-from kvyard.offload.host_tier import HostTier, tensors_nbytes
+from kvyard.offload.host_tier import HostTier, block_nbytes
+
+BS = 4
+LAYOUT = [[((BS, 2, 8), torch.float32), ((BS, 2, 8), torch.float32)] for _ in range(2)]
 
 
-def _block(value: float) -> list[list[torch.Tensor]]:
-    return [[torch.full((4, 2, 8), float(value)), torch.full((4, 2, 8), -float(value))] for _ in range(2)]
+def _blocks(values: list[float]) -> list[list[torch.Tensor]]:
+    """Per layer [k, v] of len(values) blocks, block i filled with values[i] (v with its negative)."""
+    def rows(sign: float) -> torch.Tensor:
+        return torch.cat([torch.full((BS, 2, 8), sign * v) for v in values])
+    return [[rows(1.0), rows(-1.0)] for _ in LAYOUT]
 
 
 def test_least_recently_used_blocks_go_first_and_the_budget_holds():
-    size = tensors_nbytes(_block(0.0))
-    tier = HostTier(capacity_bytes=3 * size)
-    for i in range(3):
-        assert tier.put(bytes([i]), (i,), _block(i))
-    assert tier.get(bytes([0]), (0,)) is not None  # 0 is now the most recent; 1 the least
-    tier.put(bytes([3]), (3,), _block(3))
+    tier = HostTier(capacity_bytes=3 * block_nbytes(LAYOUT) + 7, layout=LAYOUT)
+    assert tier.num_blocks == 3
+    tier.store([(bytes([i]), (i,)) for i in range(3)], _blocks([0.0, 1.0, 2.0]))
+    assert tier.lookup(bytes([0]), (0,)) is not None  # 0 is now the most recent; 1 the least
+    tier.store([(bytes([3]), (3,))], _blocks([3.0]))
     assert bytes([1]) not in tier and all(bytes([i]) in tier for i in (0, 2, 3))
-    assert tier.used_bytes == 3 * size <= tier.capacity_bytes
+    assert tier.used_bytes == 3 * block_nbytes(LAYOUT) <= tier.capacity_bytes
     assert tier.stats.evicted == 1 and tier.stats.stored == 4
-    entry = tier.get(bytes([3]), (3,))
-    assert entry is not None and torch.equal(entry.tensors[1][1], torch.full((4, 2, 8), -3.0))
+    # Back into an engine-like cache: blocks 5 and 1 of a 6-block pool get the tier's blocks 3 and 0.
+    dst = [[torch.zeros(6 * BS, 2, 8), torch.zeros(6 * BS, 2, 8)] for _ in LAYOUT]
+    tier.load([tier.lookup(bytes([3]), (3,)), tier.lookup(bytes([0]), (0,))], dst, [5, 1])
+    for k, v in dst:
+        assert torch.equal(k[5 * BS : 6 * BS], torch.full((BS, 2, 8), 3.0)) and float(v[BS:2 * BS].abs().sum()) == 0
+        assert float(k[: BS].abs().sum()) == 0
 
 
-def test_a_lookup_with_other_tokens_misses_and_an_oversized_block_is_refused():
-    size = tensors_nbytes(_block(0.0))
-    tier = HostTier(capacity_bytes=size)
-    tier.put(b"h", (1, 2), _block(1))
-    assert tier.get(b"h", (1, 3)) is None  # a colliding hash never serves another block's KV
-    small = HostTier(capacity_bytes=size - 1)
-    assert not small.put(b"h", (1,), _block(1)) and len(small) == 0 and small.stats.rejected == 1
+def test_a_lookup_with_other_tokens_misses_and_a_zero_budget_keeps_nothing():
+    tier = HostTier(capacity_bytes=block_nbytes(LAYOUT), layout=LAYOUT)
+    tier.store([(b"h", (1, 2))], _blocks([1.0]))
+    assert tier.lookup(b"h", (1, 3)) is None  # a colliding hash never serves another block's KV
+    assert tier.lookup(b"h", (1, 2)) == 0
+    small = HostTier(capacity_bytes=block_nbytes(LAYOUT) - 1, layout=LAYOUT)
+    small.store([(b"h", (1,))], _blocks([1.0]))
+    assert len(small) == 0 and small.num_blocks == 0

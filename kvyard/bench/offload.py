@@ -1,0 +1,216 @@
+"""`kvyard bench offload`: KV offload tiers against none, each comparison in one run.
+
+- working-set: conversations whose histories together hold about four times the engine's KV pool, turn after
+  turn; each turn's prompt is the history so far. TTFT p50 and throughput with each tier against no tier.
+- restart: a worker with the disk tier has seen a long prompt; a new worker on the same directory answers it
+  again, against a cold worker without tiers.
+- no-reuse: prompts that share nothing, through a small pool, with the tiers writing every evicted block: the
+  cost of writing, as throughput against no tier.
+"""
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvyard.bench.output import emit_json
+from kvyard.cli.engine_args import add_engine_args, engine_config_from_args
+from kvyard.engine.kv_cache import bytes_per_block
+from kvyard.llm import LLM
+from kvyard.loader.checkpoint import load_checkpoint
+from kvyard.loader.registry import resolve_model
+from kvyard.sampling_params import SamplingParams
+
+SCENARIOS = ("working-set", "restart", "no-reuse")
+
+
+def add_offload_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("offload", help="KV offload tiers against none: working set, restart, no reuse")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--tiers", default="host,disk", help="tiers to compare with none: host, disk, redis")
+    p.add_argument("--redis-url", default=None, help="redis:// URL for the redis tier")
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--history-len", type=int, default=1000)
+    p.add_argument("--user-len", type=int, default=32, help="tokens each later turn adds to the history")
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--pool-fraction", type=float, default=0.25, help="the KV pool against the whole working set")
+    p.add_argument("--restart-prompt-len", type=int, default=2000)
+    p.add_argument("--no-reuse-requests", type=int, default=64)
+    p.add_argument("--no-reuse-prompt-len", type=int, default=512)
+    p.add_argument("--plot-out", default=None, help="PNG of TTFT p50 by tier (working set)")
+    p.add_argument("--json-out", default=None)
+    add_engine_args(p)
+    p.set_defaults(func=run_offload_bench)
+
+
+def _tier_options(tier: str, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    if tier == "none":
+        return {}
+    if tier == "host":
+        return {"kv_offload_host_memory": "8GiB"}
+    if tier == "disk":
+        return {"kv_offload_disk": str(workdir / "disk"), "kv_offload_disk_capacity": "16GiB"}
+    if tier == "redis":
+        if not args.redis_url:
+            raise SystemExit("--tiers redis needs --redis-url")
+        return {"kv_offload_redis": args.redis_url}
+    raise SystemExit(f"unknown tier {tier!r}: choose host, disk, redis")
+
+
+def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    """Random token ids past the first few (special tokens live there in most vocabularies)."""
+    return [rng.randrange(min(100, vocab // 4), min(40000, vocab)) for _ in range(n)]
+
+
+def _llm(args: argparse.Namespace, **overrides: Any) -> LLM:
+    return LLM(config=engine_config_from_args(args, enable_prefix_caching=True, **overrides))
+
+
+def _run_batch(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], list[float]]:
+    """All prompts at once; their outputs and TTFTs (arrival to first token) in seconds."""
+    engine = llm.engine
+    ids = [engine.add_request(p, params) for p in prompts]
+    tracked = {rid: engine._tracked[rid].req for rid in ids}
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = list(out.outputs[0].token_ids)
+    ttfts = [r.first_token_time - r.arrival_time for r in tracked.values()]  # type: ignore[operator]
+    return [outs[rid] for rid in ids], ttfts
+
+
+def _working_set(args: argparse.Namespace, tiers: list[str], per_token: float, vocab: int, workdir: Path
+                 ) -> dict[str, Any]:
+    rng = random.Random(0)
+    total = args.conversations * (args.history_len + args.turns * (args.user_len + args.output_len))
+    pool = int(total * args.pool_fraction * per_token)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    histories0 = [_tokens(rng, args.history_len, vocab) for _ in range(args.conversations)]
+    users = [[_tokens(rng, args.user_len, vocab) for _ in range(args.turns)] for _ in range(args.conversations)]
+    results = {}
+    for tier in ["none", *tiers]:
+        llm = _llm(args, kv_cache_memory=pool, **_tier_options(tier, workdir / f"ws-{tier}", args))
+        _run_batch(llm, [[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
+        histories = [list(h) for h in histories0]
+        ttfts: list[float] = []
+        generated = 0
+        started = time.perf_counter()
+        for turn in range(args.turns):
+            prompts = [h + users[c][turn] if turn else h for c, h in enumerate(histories)]
+            outs, t = _run_batch(llm, prompts, params)
+            ttfts += t if turn else []  # the first turn is cold for every configuration
+            generated += sum(map(len, outs))
+            histories = [p + o for p, o in zip(prompts, outs, strict=True)]
+        elapsed = time.perf_counter() - started
+        offload = llm.engine.offload
+        results[tier] = {"ttft_p50_ms": 1000 * statistics.median(ttfts), "throughput_tok_s": generated / elapsed,
+                         "seconds": elapsed, "hit_tokens": llm.engine.blocks.hit_tokens,
+                         "tiers": offload.snapshot() if offload else {}}
+        print(f"working-set {tier}: TTFT p50 {results[tier]['ttft_p50_ms']:.0f} ms, "
+              f"{results[tier]['throughput_tok_s']:.1f} tok/s, {llm.engine.blocks.hit_tokens} hit tokens",
+              file=sys.stderr)
+        if offload:
+            offload.close()
+    base = results["none"]
+    for tier in tiers:
+        results[tier]["ttft_gain"] = base["ttft_p50_ms"] / results[tier]["ttft_p50_ms"]
+        results[tier]["throughput_ratio"] = results[tier]["throughput_tok_s"] / base["throughput_tok_s"]
+    return {"pool_bytes": pool, "working_set_tokens": total, "by_tier": results}
+
+
+def _ttft(llm: LLM, prompt: list[int]) -> float:
+    started = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    return time.perf_counter() - started
+
+
+def _restart(args: argparse.Namespace, vocab: int, workdir: Path) -> dict[str, Any]:
+    prompt = _tokens(random.Random(1), args.restart_prompt_len, vocab)
+    disk = {"kv_offload_disk": str(workdir / "restart"), "kv_offload_write": "through"}
+    first = _llm(args, **disk)
+    warm_up = prompt[:3]
+    _ttft(first, warm_up)
+    _ttft(first, prompt)
+    first.engine.offload.flush()  # type: ignore[union-attr]
+    first.engine.offload.close()  # type: ignore[union-attr]
+    cold_llm = _llm(args)
+    _ttft(cold_llm, warm_up)
+    cold = _ttft(cold_llm, prompt)
+    restarted = _llm(args, **disk)
+    _ttft(restarted, warm_up)
+    warm = _ttft(restarted, prompt)
+    restored = restarted.engine.offload.restored_blocks  # type: ignore[union-attr]
+    print(f"restart: cold {1000 * cold:.0f} ms, from disk after a restart {1000 * warm:.0f} ms "
+          f"({restored} blocks restored)", file=sys.stderr)
+    return {"prompt_len": len(prompt), "cold_ms": 1000 * cold, "restarted_ms": 1000 * warm,
+            "gain": cold / warm, "restored_blocks": restored}
+
+
+def _no_reuse(args: argparse.Namespace, tiers: list[str], per_token: float, vocab: int, workdir: Path
+              ) -> dict[str, Any]:
+    rng = random.Random(2)
+    n = args.no_reuse_prompt_len
+    prompts = [_tokens(rng, n, vocab) for _ in range(args.no_reuse_requests)]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    pool = int(8 * (n + args.output_len) * per_token)  # eight requests' worth: every later one evicts
+    results = {}
+    for tier in ["none", *tiers]:
+        llm = _llm(args, kv_cache_memory=pool, **_tier_options(tier, workdir / f"nr-{tier}", args))
+        _run_batch(llm, [[1, 2, 3]], SamplingParams(max_tokens=2))
+        started = time.perf_counter()
+        outs, _ = _run_batch(llm, prompts, params)
+        if llm.engine.offload:
+            llm.engine.offload.flush()
+        elapsed = time.perf_counter() - started
+        results[tier] = {"throughput_tok_s": sum(map(len, outs)) / elapsed}
+        print(f"no-reuse {tier}: {results[tier]['throughput_tok_s']:.1f} tok/s", file=sys.stderr)
+        if llm.engine.offload:
+            llm.engine.offload.close()
+    for tier in tiers:
+        results[tier]["ratio"] = results[tier]["throughput_tok_s"] / results["none"]["throughput_tok_s"]
+    return results
+
+
+def _plot(working_set: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tiers = list(working_set["by_tier"])
+    values = [working_set["by_tier"][t]["ttft_p50_ms"] for t in tiers]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(tiers, values, color=["#999999"] + ["#3b7dd8"] * (len(tiers) - 1))
+    ax.set_ylabel("TTFT p50, turns 2+ (ms)")
+    ax.set_title("Working set 4x the KV pool: TTFT by offload tier")
+    for i, v in enumerate(values):
+        ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run_offload_bench(args: argparse.Namespace) -> int:
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    tiers = [t for t in args.tiers.split(",") if t]
+    cfg = engine_config_from_args(args)
+    model = load_checkpoint(resolve_model(cfg.model)).config
+    per_token = bytes_per_block(model, cfg.block_size, cfg.dtype, cfg.kv_cache_dtype) / cfg.block_size
+    result: dict[str, Any] = {"model": cfg.model, "dtype": str(cfg.dtype).removeprefix("torch."), "tiers": tiers}
+    with tempfile.TemporaryDirectory(prefix="kvyard-offload-") as tmp:
+        workdir = Path(tmp)
+        if "working-set" in scenarios:
+            result["working_set"] = _working_set(args, tiers, per_token, model.vocab_size, workdir)
+            if args.plot_out:
+                _plot(result["working_set"], args.plot_out)
+        if "restart" in scenarios:
+            result["restart"] = _restart(args, model.vocab_size, workdir)
+        if "no-reuse" in scenarios:
+            result["no_reuse"] = _no_reuse(args, tiers, per_token, model.vocab_size, workdir)
+    emit_json(result, args.json_out)
+    return 0

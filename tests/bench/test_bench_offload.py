@@ -1,0 +1,23 @@
+"""`kvyard bench offload` on a tiny model: each scenario runs and reports what the tiers did."""
+
+import json
+
+from kvyard.cli.main import main
+
+
+def test_every_scenario_reports_its_comparison(tiny_checkpoint, tmp_path):
+    out = tmp_path / "offload.json"
+    plot = tmp_path / "ttft.png"
+    rc = main(["bench", "offload", "--model", str(tiny_checkpoint("llama")), "--dtype", "float32",
+               "--block-size", "4", "--conversations", "3", "--turns", "2", "--history-len", "40",
+               "--user-len", "4", "--output-len", "4", "--pool-fraction", "0.5", "--restart-prompt-len", "60", "--no-reuse-requests", "6", "--no-reuse-prompt-len", "64",
+               "--tiers", "host,disk", "--json-out", str(out), "--plot-out", str(plot)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    ws = r["working_set"]["by_tier"]
+    assert set(ws) == {"none", "host", "disk"} and ws["none"]["tiers"] == {}
+    # the working set is twice the pool: without a tier the second turn finds little; with one, more
+    for tier in ("host", "disk"):
+        assert ws[tier]["tiers"][tier]["restored"] > 0 and ws[tier]["hit_tokens"] > ws["none"]["hit_tokens"]
+    assert r["restart"]["restored_blocks"] == (60 - 1) // 4
+    assert set(r["no_reuse"]) == {"none", "host", "disk"} and plot.stat().st_size > 1000
