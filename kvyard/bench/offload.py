@@ -177,7 +177,7 @@ def _no_reuse(args: argparse.Namespace, tiers: list[str], per_token: float, voca
     return results
 
 
-def _plot(working_set: dict[str, Any], path: str) -> None:
+def _plot(working_set: dict[str, Any], path: str, pool_fraction: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -188,7 +188,7 @@ def _plot(working_set: dict[str, Any], path: str) -> None:
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.bar(tiers, values, color=["#999999"] + ["#3b7dd8"] * (len(tiers) - 1))
     ax.set_ylabel("TTFT p50, turns 2+ (ms)")
-    ax.set_title("Working set 4x the KV pool: TTFT by offload tier")
+    ax.set_title(f"Working set {1 / pool_fraction:.0f}x the KV pool: TTFT by offload tier")
     for i, v in enumerate(values):
         ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
     fig.tight_layout()
@@ -207,7 +207,7 @@ def run_offload_bench(args: argparse.Namespace) -> int:
         if "working-set" in scenarios:
             result["working_set"] = _working_set(args, tiers, per_token, model.vocab_size, workdir)
             if args.plot_out:
-                _plot(result["working_set"], args.plot_out)
+                _plot(result["working_set"], args.plot_out, args.pool_fraction)
         if "restart" in scenarios:
             result["restart"] = _restart(args, model.vocab_size, workdir)
         if "no-reuse" in scenarios:
