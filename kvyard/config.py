@@ -65,6 +65,9 @@ class EngineConfig:
     kv_offload_disk: str | None = None  # a directory for KV blocks on local disk, kept across restarts
     kv_offload_disk_capacity: int | str = "8GiB"
     kv_offload_redis: str | None = None  # redis://host:port/db of a KV tier the replicas share
+    # auto: read a tier's blocks back only where that is measured to beat recomputing them; load: always; recompute:
+    # never (the tiers are still written)
+    kv_offload_decision: str = "auto"
     kv_offload_write: str = "back"  # back: blocks go to the tiers when the pool evicts them; through: when cached
     max_model_len: int | None = None  # default: the model's context window
     num_threads: int | None = None  # CPU threads for torch; default: all cores
@@ -89,6 +92,9 @@ class EngineConfig:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         self.kv_offload_host_memory = parse_bytes(self.kv_offload_host_memory)
         self.kv_offload_disk_capacity = parse_bytes(self.kv_offload_disk_capacity)
+        if self.kv_offload_decision not in ("auto", "load", "recompute"):
+            raise InvalidRequestError(f"kv_offload_decision must be auto, load or recompute, got "
+                                      f"{self.kv_offload_decision!r}", param="kv_offload_decision")
         if self.kv_offload_write not in ("back", "through"):
             raise InvalidRequestError(f"kv_offload_write must be back or through, got {self.kv_offload_write!r}",
                                       param="kv_offload_write")

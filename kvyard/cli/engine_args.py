@@ -16,6 +16,7 @@ _HELP = {
     "kv_offload_disk": "a directory for KV blocks on local disk (an offload tier kept across restarts)",
     "kv_offload_disk_capacity": "the most bytes the disk KV tier keeps, e.g. 8GiB",
     "kv_offload_redis": "redis://HOST:PORT/DB of a KV offload tier shared by replicas (its budget: the server's maxmemory)",
+    "kv_offload_decision": "auto (read a tier only where measured faster than recomputing), load or recompute",
     "kv_offload_write": "when blocks go to the offload tiers: back (when the pool evicts them) or through (when cached)",
     "block_size": "tokens per KV block",
     "max_num_batched_tokens": "token budget of one forward pass (decodes + prefill chunks)",

@@ -122,6 +122,7 @@ class LLMEngine:
                               "sliding-window pools or latent caches yet)", param="kv_offload_host_memory")
         from kvyard.disagg.blocks import layer_tensors
         from kvyard.engine.block_manager import HASH_FUNCTION
+        from kvyard.offload.decision import LoadOrRecompute
         from kvyard.offload.disk_tier import DiskTier, kv_fingerprint
         from kvyard.offload.host_tier import HostTier
         from kvyard.offload.manager import KVOffload, Tier
@@ -140,7 +141,8 @@ class LLMEngine:
             from kvyard.offload.redis_tier import RedisTier
 
             tiers.append(RedisTier(cfg.kv_offload_redis, layout, fingerprint))
-        offload = KVOffload(tiers, caches, self.blocks, cfg.block_size, cfg.kv_offload_write)
+        decide = LoadOrRecompute(self.scheduler.cost, bs, cfg.kv_offload_decision)
+        offload = KVOffload(tiers, caches, self.blocks, cfg.block_size, decide, cfg.kv_offload_write)
         self.scheduler.restore = offload.restore
         return offload
 

@@ -8,12 +8,13 @@ restarted worker can use.
   intact until the next forward pass, so `write_queued` copies all the step's blocks in one gather just before
   it (and before a restore writes into the pool): a row copy per layer, not per block.
 - Restore: before a request is admitted, the blocks of its prompt that follow the pool's own cached prefix and
-  are in a tier go back into the pool's prefix cache (`BlockManager.adopt`), so the scheduler hits them like
+  are in a tier, as far as loading them beats recomputing them (decision.py), go back into the pool's prefix cache (`BlockManager.adopt`), so the scheduler hits them like
   any cached prefix and the request computes only what neither holds. The pool's KV events report them as
   stored, so a cache-aware router sees them too.
 """
 
 import logging
+import time
 
 import torch
 
@@ -22,6 +23,7 @@ from kvyard.engine.block_manager import BlockManager
 from kvyard.engine.kv_handoff import select_blocks
 from kvyard.engine.request import Request
 from kvyard.models.kv_layer import LayerKV
+from kvyard.offload.decision import LoadOrRecompute, TierRate
 from kvyard.offload.disk_tier import DiskTier
 from kvyard.offload.host_tier import HostTier, TierBlock
 from kvyard.offload.redis_tier import RedisTier
@@ -37,8 +39,9 @@ Found = tuple[HostTier, int] | tuple[ByteTier, TierBlock]
 
 class KVOffload:
     def __init__(self, tiers: list[Tier], caches: list[LayerKV], blocks: BlockManager, block_size: int,
-                 write: str = "back"):
+                 decide: LoadOrRecompute, write: str = "back"):
         self.tiers = tiers
+        self.decide = decide
         self.caches = caches
         self.blocks = blocks
         self.block_size = block_size
@@ -76,38 +79,62 @@ class KVOffload:
 
     # ---- restoring -----------------------------------------------------------------------------------
 
-    def lookup(self, h: bytes, tokens: tuple[int, ...]) -> Found | None:
+    def holder(self, h: bytes, tokens: tuple[int, ...]) -> Tier | None:
+        """The first tier that has this block, asked without reading it."""
         for t in self.tiers:
             if isinstance(t, HostTier):
-                slot = t.lookup(h, tokens)
-                if slot is not None:
-                    return t, slot
-            else:
-                entry = t.get(h, tokens)
-                if entry is not None:
-                    return t, entry
+                entry = t.entries.get(h)
+                if entry is not None and entry[1] == tokens:
+                    return t
+            elif h in t:
+                return t
         return None
 
+    def _read(self, tier: Tier, h: bytes, tokens: tuple[int, ...]) -> Found | None:
+        if isinstance(tier, HostTier):
+            slot = tier.lookup(h, tokens)
+            return None if slot is None else (tier, slot)
+        entry = tier.get(h, tokens)
+        return None if entry is None else (tier, entry)
+
     def restore(self, req: Request) -> int:
-        """Put the tiers' blocks of the request's prompt prefix back into the pool; returns how many."""
+        """Put the tiers' blocks of the request's prompt prefix back into the pool, as far as loading them is
+        expected to beat recomputing them (decision.py); returns how many."""
         blocks, bs = self.blocks, self.block_size
         if req.needs_prompt_logprobs or req.num_computed_tokens:
             return 0
         hashes = blocks.prompt_hashes(req)
-        found: list[Found | None] = []  # per leading block: where a tier has it; None: the pool has it
+        where: list[Tier | None] = []  # per leading block: the tier that has it; None: the pool has it
         for i, h in enumerate(hashes):
             tokens = tuple(req.token_ids[i * bs : (i + 1) * bs])
             b = blocks.cached.get(h)
             if b is not None and blocks.blocks[b].tokens == tokens:
+                where.append(None)
+                continue
+            tier = self.holder(h, tokens)
+            if tier is None:
+                break
+            where.append(tier)
+        while where and where[-1] is None:
+            where.pop()  # what the pool holds after the tiers' last block needs no restoring
+        if not any(w is not None for w in where):
+            return 0
+        where = where[: self.decide.blocks_to_load([None if w is None else w.name for w in where])]
+        seconds = {t.name: 0.0 for t in self.tiers}
+        found: list[Found | None] = []
+        for i, tier in enumerate(where):
+            if tier is None:
                 found.append(None)
                 continue
-            hit = self.lookup(h, tokens)
-            if hit is None:
+            started = time.perf_counter()
+            hit = self._read(tier, hashes[i], tuple(req.token_ids[i * bs : (i + 1) * bs]))
+            seconds[tier.name] += time.perf_counter() - started
+            if hit is None:  # damaged or gone since we asked: the chain stops here, the rest is recomputed
                 break
             found.append(hit)
         while found and found[-1] is None:
-            found.pop()  # what the pool holds after the tiers' last block needs no restoring
-        if not any(f is not None for f in found):
+            found.pop()
+        if not found:
             return 0
         n = len(found)
         taken = blocks.adopt(req.token_ids[: n * bs], hashes[:n])
@@ -119,9 +146,10 @@ class KVOffload:
             blocks.release(lost)
         fill = [(b, found[i]) for i, b in taken if found[i] is not None]
         for tier in self.tiers:
-            mine = [(b, where[1]) for b, where in fill if where is not None and where[0] is tier]
+            mine = [(b, at[1]) for b, at in fill if at is not None and at[0] is tier]
             if not mine:
                 continue
+            started = time.perf_counter()
             ids = [b for b, _ in mine]
             if isinstance(tier, HostTier):
                 tier.load([slot for _, slot in mine], [layer_tensors(c) for c in self.caches], ids)  # type: ignore[misc]
@@ -131,6 +159,8 @@ class KVOffload:
                              for layer in range(len(self.caches))]
                 scatter_blocks(self.caches, ids, bs, per_layer)
             self.restored[tier.name] += len(ids)
+            self.decide.rates.setdefault(tier.name, TierRate()).observe(
+                seconds[tier.name] + time.perf_counter() - started, len(ids))
         if fill:
             blocks.release([b for b, _ in fill])
         return len(fill)

@@ -94,6 +94,10 @@ class EngineStats:
     moe_imbalance: float = 0.0
     # KV offload (kvyard/offload/manager.py KVOffload.snapshot): per tier, its counters
     offload: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    # blocks the tiers held that were loaded, or recomputed as cheaper; the prefill time loading saved (estimated)
+    offload_loaded: int = 0
+    offload_recomputed: int = 0
+    offload_saved_seconds: float = 0.0
     block_size: int = 16
 
 
@@ -446,8 +450,11 @@ class AsyncEngine:
             tokens, imbalance = routing_stats(moes)
             self._stats = dataclasses.replace(self._stats, moe_expert_tokens=tokens, moe_imbalance=imbalance)
         if eng.offload is not None:
+            decisions = eng.offload.decide.decisions
             self._stats = dataclasses.replace(self._stats, offload=eng.offload.snapshot(),
-                                              block_size=eng.cfg.block_size)
+                                              block_size=eng.cfg.block_size, offload_loaded=decisions.loaded,
+                                              offload_recomputed=decisions.recomputed,
+                                              offload_saved_seconds=decisions.saved_seconds)
         if eng.spec is not None:
             spec = eng.spec.stats
             self._stats = dataclasses.replace(

@@ -90,7 +90,14 @@ def _offload_metrics(s: EngineStats) -> Iterator[Metric]:
         for key, value in c.items():
             if key.startswith("fallback_"):
                 fallbacks.add_metric([tier, key.removeprefix("fallback_")], value)
-    yield from (hits, stored, evicted, size, fallbacks)
+    decisions = CounterMetricFamily("kvyard_kv_offload_decisions", "Blocks a tier held, loaded or (cheaper) "
+                                    "recomputed", labels=["decision"])
+    decisions.add_metric(["load"], s.offload_loaded)
+    decisions.add_metric(["recompute"], s.offload_recomputed)
+    saved = CounterMetricFamily("kvyard_kv_offload_saved_seconds", "Prefill time the loaded blocks saved, net of "
+                                "loading them (estimated from the step-cost model and the tiers' rates)",
+                                value=s.offload_saved_seconds)
+    yield from (hits, stored, evicted, size, fallbacks, decisions, saved)
 
 
 class ServerMetrics:

@@ -103,3 +103,13 @@ def test_a_prefix_one_replica_computed_is_a_hit_on_another_through_redis(tiny_ch
     outs = [o.outputs[0].token_ids for o in b.generate(again, GREEDY)]
     assert outs == [hf_greedy(ref, p, GREEDY.max_tokens) for p in again]
     assert b.engine.offload.snapshot()["redis"]["fallback_unreachable"] >= 1
+
+
+def test_forced_recompute_reads_no_tier_and_changes_no_token(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    _, want = _run(path)
+    never, got = _run(path, kv_offload_host_memory="4MiB", kv_offload_decision="recompute")
+    assert got == want
+    offload = never.engine.offload
+    assert offload.restored_blocks == 0 and offload.decide.decisions.recomputed > 0
+    assert offload.tiers[0].stats.stored > 0  # still written

@@ -14,8 +14,8 @@ def _offload(url: str) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", trust_env=False).text):
         for sample in family.samples:
-            if sample.name.startswith("kvyard_kv_offload") and sample.labels.get("tier") == "host":
-                out[sample.name + "/" + sample.labels.get("reason", "")] = sample.value
+            if sample.name.startswith("kvyard_kv_offload") and sample.labels.get("tier", "host") == "host":
+                out[sample.name + "/" + sample.labels.get("reason", sample.labels.get("decision", ""))] = sample.value
     return out
 
 
@@ -36,5 +36,6 @@ def test_tier_hits_reach_the_metrics(tiny_path):
                 _offload(server.url)
             m = _offload(server.url)
             assert m["kvyard_kv_offload_stored_blocks_total/"] >= 7 and m["kvyard_kv_offload_bytes/"] > 0
+            assert m["kvyard_kv_offload_decisions_total/load"] == 7 and m["kvyard_kv_offload_decisions_total/recompute"] == 0
     finally:
         engine.shutdown()
