@@ -12,6 +12,12 @@ values) and the one rotary key shared by every head (qk_rope_head_dim), as one r
 
 The checkpoint's rotary rows come in (x0, x1) pairs; they are reordered at load (evens, then odds), so that the
 usual rotate-half RoPE computes exactly what transformers' interleaved rotation does.
+
+Where DeepSeek Sparse Attention (V3.2, GLM-5) would plug in, not built yet: a per-layer indexer (a few small
+heads with their own cached keys, one more row per token beside the latent) scores every cached position for each
+query, and attention reads only the top-k of them. In `_decode` that is a selection of slots before the gather:
+the block table's rows become the chosen slots (a table of single slots, as `AttentionMetadata.windowed` builds
+for sliding windows), so the latent attention itself is unchanged; prefill chunks take the same top-k as a mask.
 """
 
 from collections.abc import Callable
