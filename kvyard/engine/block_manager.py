@@ -228,11 +228,17 @@ class BlockManager:
         usable = (req.num_tokens - 1) // bs
         hits: list[int] = []
         for i, h in enumerate(self._hashes(req, usable)):
-            b = self.cached.get(h)
-            if b is None or self.blocks[b].tokens != tuple(req.token_ids[i * bs : (i + 1) * bs]):
+            b = self.cached_block(h, req.token_ids[i * bs : (i + 1) * bs])
+            if b is None:
                 break
             hits.append(b)
         return hits
+
+    def cached_block(self, h: bytes, tokens: Sequence[int]) -> int | None:
+        """The cached block under hash `h` if it holds exactly these tokens: a hash collision never serves
+        another block's KV."""
+        b = self.cached.get(h)
+        return b if b is not None and self.blocks[b].tokens == tuple(tokens) else None
 
     def admit(self, req: Request, num_tokens: int, hits: Sequence[int]) -> None:
         """Give a newly scheduled request its cached prefix blocks and fresh ones up to `num_tokens`."""

@@ -81,12 +81,8 @@ class WindowBlocks(BlockManager):
     def _present(self, req: Request, num_blocks: int) -> list[int | None]:
         """Per block index, the cached block holding it, or None."""
         bs = self.block_size
-        out: list[int | None] = []
-        for i, h in enumerate(self._hashes(req, num_blocks)):
-            b = self.cached.get(h)
-            ok = b is not None and self.blocks[b].tokens == tuple(req.token_ids[i * bs : (i + 1) * bs])
-            out.append(b if ok else None)
-        return out
+        return [self.cached_block(h, req.token_ids[i * bs : (i + 1) * bs])
+                for i, h in enumerate(self._hashes(req, num_blocks))]
 
     def _hits_with(self, present: list[int | None], h: int) -> list[int] | None:
         first = self.first_live_block(h * self.block_size)

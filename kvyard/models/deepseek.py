@@ -68,9 +68,7 @@ def deinterleave(t: torch.Tensor | QuantizedTensor, start: int, stop: int, every
 
 
 class DeepSeekModel(DecoderModel):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-                 max_rows: int | None = None):
-        super().__init__(cfg, dtype, device, max_positions, max_rows)  # its RoPE table spans head_dim = rope
+    """The base's RoPE table spans cfg.head_dim, which is the rotary key's size here (qk_rope_head_dim)."""
 
     # ---- loading -------------------------------------------------------------------------------------
 

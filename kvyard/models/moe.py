@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvyard.errors import ConfigError
-from kvyard.models.config import ModelConfig
+from kvyard.models.config import MLA_MODEL_TYPES, ModelConfig
 from kvyard.models.linear import Weight, linear
 from kvyard.quant.qtensor import QuantizedTensor
 
@@ -127,7 +127,7 @@ def load_moe(cfg: ModelConfig, layer: int, take: Callable[[str], torch.Tensor], 
         g, u, d = shared_names[:3]
         shared = SharedExpert(weight(g, u, gate_up=True), weight(d), take(shared_names[3]) if len(shared_names) > 3 else None)
     deepseek = None
-    if cfg.model_type in ("deepseek_v2", "deepseek_v3"):
+    if cfg.model_type in MLA_MODEL_TYPES:
         sigmoid = cfg.router_scoring == "sigmoid"
         bias = take(router.replace("weight", "e_score_correction_bias")).float() if sigmoid else None
         deepseek = DeepSeekRouting(sigmoid, bias, cfg.router_groups, cfg.router_topk_groups, cfg.routed_scaling_factor)

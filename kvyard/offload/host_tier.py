@@ -90,14 +90,18 @@ class HostTier:
             _copy_blocks(src, rows, self.pool, slots, self.block_size)
             self.stats.stored += len(slots)
 
-    def lookup(self, h: bytes, tokens: tuple[int, ...]) -> int | None:
-        """The slot holding this block, or None."""
+    def has(self, h: bytes, tokens: tuple[int, ...]) -> bool:
+        """Whether this block is here, with these tokens (a hash collision never serves another block's KV)."""
         entry = self.entries.get(h)
-        if entry is None or entry[1] != tokens:
+        return entry is not None and entry[1] == tokens
+
+    def lookup(self, h: bytes, tokens: tuple[int, ...]) -> int | None:
+        """The slot holding this block (now the most recently used), or None."""
+        if not self.has(h, tokens):
             return None
         self.entries.move_to_end(h)
         self.stats.hits += 1
-        return entry[0]
+        return self.entries[h][0]
 
     def load(self, slots: list[int], dst: list[list[torch.Tensor]], blocks: list[int]) -> None:
         """Copy slots[i] into block blocks[i] of `dst` (the engine's caches, per layer and stored tensor)."""

@@ -82,11 +82,7 @@ class KVOffload:
     def holder(self, h: bytes, tokens: tuple[int, ...]) -> Tier | None:
         """The first tier that has this block, asked without reading it."""
         for t in self.tiers:
-            if isinstance(t, HostTier):
-                entry = t.entries.get(h)
-                if entry is not None and entry[1] == tokens:
-                    return t
-            elif h in t:
+            if t.has(h, tokens) if isinstance(t, HostTier) else h in t:
                 return t
         return None
 
@@ -107,8 +103,7 @@ class KVOffload:
         where: list[Tier | None] = []  # per leading block: the tier that has it; None: the pool has it
         for i, h in enumerate(hashes):
             tokens = tuple(req.token_ids[i * bs : (i + 1) * bs])
-            b = blocks.cached.get(h)
-            if b is not None and blocks.blocks[b].tokens == tokens:
+            if blocks.cached_block(h, tokens) is not None:
                 where.append(None)
                 continue
             tier = self.holder(h, tokens)
