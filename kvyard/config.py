@@ -69,6 +69,10 @@ class EngineConfig:
     # never (the tiers are still written)
     kv_offload_decision: str = "auto"
     kv_offload_write: str = "back"  # back: blocks go to the tiers when the pool evicts them; through: when cached
+    # inclusive: every block to every tier (a disk smaller than the host tier is refused); exclusive: to the disk
+    # only when the host tier evicts it, so the two capacities add up
+    kv_offload_tiers: str = "inclusive"
+    kv_offload_admit_after: int = 1  # write a block only once this many prompts carried it (1: every block)
     max_model_len: int | None = None  # default: the model's context window
     num_threads: int | None = None  # CPU threads for torch; default: all cores
     # Quantize linear weights while loading (int8, int4-g128, ...), or `gguf`: keep a GGUF file's
@@ -95,6 +99,12 @@ class EngineConfig:
         if self.kv_offload_decision not in ("auto", "load", "recompute"):
             raise InvalidRequestError(f"kv_offload_decision must be auto, load or recompute, got "
                                       f"{self.kv_offload_decision!r}", param="kv_offload_decision")
+        if self.kv_offload_tiers not in ("inclusive", "exclusive"):
+            raise InvalidRequestError(f"kv_offload_tiers must be inclusive or exclusive, got "
+                                      f"{self.kv_offload_tiers!r}", param="kv_offload_tiers")
+        if self.kv_offload_admit_after < 1:
+            raise InvalidRequestError(f"kv_offload_admit_after must be at least 1, got {self.kv_offload_admit_after}",
+                                      param="kv_offload_admit_after")
         if self.kv_offload_write not in ("back", "through"):
             raise InvalidRequestError(f"kv_offload_write must be back or through, got {self.kv_offload_write!r}",
                                       param="kv_offload_write")

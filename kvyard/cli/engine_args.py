@@ -18,6 +18,9 @@ _HELP = {
     "kv_offload_redis": "redis://HOST:PORT/DB of a KV offload tier shared by replicas (its budget: the server's maxmemory)",
     "kv_offload_decision": "auto (read a tier only where measured faster than recomputing), load or recompute",
     "kv_offload_write": "when blocks go to the offload tiers: back (when the pool evicts them) or through (when cached)",
+    "kv_offload_tiers": "inclusive (every block to every tier; the disk must be larger than the host tier) or "
+                        "exclusive (to the disk only when the host tier evicts it: the capacities add up)",
+    "kv_offload_admit_after": "write a block to the tiers only once this many prompts carried it (1: every block)",
     "block_size": "tokens per KV block",
     "max_num_batched_tokens": "token budget of one forward pass (decodes + prefill chunks)",
     "max_num_seqs": "most requests running at once",

@@ -136,13 +136,19 @@ class LLMEngine:
         if cfg.kv_offload_host_memory:
             tiers.append(HostTier(int(cfg.kv_offload_host_memory), layout))
         if cfg.kv_offload_disk:
+            if cfg.kv_offload_tiers == "inclusive" and cfg.kv_offload_disk_capacity <= cfg.kv_offload_host_memory:
+                raise ConfigError(f"with inclusive KV tiers the disk ({cfg.kv_offload_disk_capacity} bytes) must be "
+                                  f"larger than the host tier ({cfg.kv_offload_host_memory} bytes) to add capacity; "
+                                  "raise --kv-offload-disk-capacity or use --kv-offload-tiers exclusive",
+                                  param="kv_offload_disk_capacity")
             tiers.append(DiskTier(Path(cfg.kv_offload_disk), int(cfg.kv_offload_disk_capacity), layout, fingerprint))
         if cfg.kv_offload_redis:
             from kvyard.offload.redis_tier import RedisTier
 
             tiers.append(RedisTier(cfg.kv_offload_redis, layout, fingerprint))
         decide = LoadOrRecompute(self.scheduler.cost, bs, cfg.kv_offload_decision)
-        offload = KVOffload(tiers, caches, self.blocks, cfg.block_size, decide, cfg.kv_offload_write)
+        offload = KVOffload(tiers, caches, self.blocks, cfg.block_size, decide, cfg.kv_offload_write,
+                            cfg.kv_offload_admit_after, cfg.kv_offload_tiers == "exclusive")
         self.scheduler.restore = offload.restore
         return offload
 

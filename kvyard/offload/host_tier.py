@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvyard.engine.kv_handoff import select_blocks
 from kvyard.offload.codec import BlockLayout
 
 
@@ -40,10 +41,19 @@ class TierStats:
 
 
 @dataclass
+class Evicted:
+    """Blocks a store pushed out of the host tier, copied out before their slots were overwritten."""
+
+    items: list[tuple[bytes, tuple[int, ...]]]  # (hash, tokens) per block
+    tensors: list[list[torch.Tensor]]  # per layer and stored tensor, the blocks one after another
+
+
+@dataclass
 class HostTier:
     capacity_bytes: int
     layout: BlockLayout
     name: str = "host"
+    keep_evicted: bool = False  # store() returns what it evicts (exclusive tiers demote it to the next tier)
     stats: TierStats = field(default_factory=TierStats)
 
     def __post_init__(self) -> None:
@@ -66,29 +76,45 @@ class HostTier:
     def used_bytes(self) -> int:
         return len(self.entries) * self.block_bytes
 
-    def _slot(self) -> int:
+    def _slot(self) -> tuple[int, tuple[bytes, tuple[int, ...]] | None]:
+        """A slot to write, and the (hash, tokens) of the block evicted from it, if any."""
         if not self.free:
-            _, (slot, _) = self.entries.popitem(last=False)
+            h, (slot, tokens) = self.entries.popitem(last=False)
             self.stats.evicted += 1
-            return slot
-        return self.free.pop()
+            return slot, (h, tokens)
+        return self.free.pop(), None
 
-    def store(self, items: list[tuple[bytes, tuple[int, ...]]], src: list[list[torch.Tensor]]) -> None:
-        """Keep blocks i of `src` (per layer, tensors of len(items) blocks) under items[i]'s hash and tokens."""
-        slots, rows = [], []
+    def store(self, items: list[tuple[bytes, tuple[int, ...]]], src: list[list[torch.Tensor]]) -> Evicted | None:
+        """Keep blocks i of `src` (per layer, tensors of len(items) blocks) under items[i]'s hash and tokens.
+        With keep_evicted, returns the blocks this pushed out, and those it had no room for (else None)."""
+        slots, rows, evicted, evicted_slots, overflow = [], [], [], [], []
         for i, (h, tokens) in enumerate(items):
             if h in self.entries:
                 self.entries.move_to_end(h)  # unchanged (a hash names its KV): refresh its place only
                 continue
             if self.num_blocks == 0 or len(slots) == self.num_blocks:
-                break
-            slot = self._slot()
+                overflow.append(i)
+                continue
+            slot, old = self._slot()
+            if old is not None:
+                evicted.append(old)
+                evicted_slots.append(slot)
             self.entries[h] = (slot, tokens)
             slots.append(slot)
             rows.append(i)
+        out = None
+        if self.keep_evicted and (evicted or overflow):  # copied out before the new blocks overwrite their slots
+            idx = torch.tensor(evicted_slots, dtype=torch.long)
+            pushed = [[t.view(-1, self.block_size, *t.shape[1:]).index_select(0, idx).reshape(-1, *t.shape[1:])
+                       for t in layer] for layer in self.pool]
+            unstored = select_blocks(src, overflow, self.block_size) if overflow else None
+            out = Evicted(evicted + [items[i] for i in overflow],
+                          pushed if unstored is None else [[torch.cat(pair) for pair in zip(p, u, strict=True)]
+                                                           for p, u in zip(pushed, unstored, strict=True)])
         if slots:
             _copy_blocks(src, rows, self.pool, slots, self.block_size)
             self.stats.stored += len(slots)
+        return out
 
     def has(self, h: bytes, tokens: tuple[int, ...]) -> bool:
         """Whether this block is here, with these tokens (a hash collision never serves another block's KV)."""

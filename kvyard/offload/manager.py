@@ -1,7 +1,12 @@
 """Moves KV blocks between the engine's pool and the tiers below it: host memory (host_tier.py), local disk
-(disk_tier.py) and Redis shared by the replicas (redis_tier.py), each optional, looked up in that order. Tiers
-are inclusive: a block goes to every tier, so each lower (larger) one adds capacity, and the disk keeps what a
-restarted worker can use.
+(disk_tier.py) and Redis shared by the replicas (redis_tier.py), each optional, looked up in that order.
+
+- Inclusive tiers (default): a block goes to every tier, so the disk keeps what a restarted worker can use; the
+  engine refuses a disk smaller than the host tier, which would add no capacity. Exclusive: a block goes to
+  the host tier, and to the disk only when the host tier evicts it, so their capacities add up. Redis is shared
+  by the replicas, so it gets every block at once either way (a replica's prefix is another's hit).
+- Admission by reuse: with `admit_after` N > 1, a block is written only once N requests' prompts carried it, so
+  one-off prompts don't churn the tiers.
 
 - Write-back (default): a cached block that the pool evicts for room is queued for the tiers; write-through:
   every block is queued as soon as the prefix cache registers it (what a restart needs). Either way its KV stays
@@ -15,6 +20,7 @@ restarted worker can use.
 
 import logging
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -25,7 +31,7 @@ from kvyard.engine.request import Request
 from kvyard.models.kv_layer import LayerKV
 from kvyard.offload.decision import LoadOrRecompute, TierRate
 from kvyard.offload.disk_tier import DiskTier
-from kvyard.offload.host_tier import HostTier, TierBlock
+from kvyard.offload.host_tier import Evicted, HostTier, TierBlock
 from kvyard.offload.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
@@ -35,11 +41,14 @@ ByteTier = DiskTier | RedisTier
 WRITE_POLICIES = ("back", "through")
 # Where a block to restore is: a slot of the host tier, or a block read from a tier of bytes
 Found = tuple[HostTier, int] | tuple[ByteTier, TierBlock]
+# Blocks copied out of the pool for the tiers: per block (hash, tokens, tiers that lack it), and their KV
+Gathered = tuple[list[tuple[bytes, tuple[int, ...], list[Tier]]], list[list[torch.Tensor]]]
+SEEN_LIMIT = 1 << 16  # block hashes whose uses admission by reuse remembers (least recently seen out first)
 
 
 class KVOffload:
     def __init__(self, tiers: list[Tier], caches: list[LayerKV], blocks: BlockManager, block_size: int,
-                 decide: LoadOrRecompute, write: str = "back"):
+                 decide: LoadOrRecompute, write: str = "back", admit_after: int = 1, exclusive: bool = False):
         self.tiers = tiers
         self.decide = decide
         self.caches = caches
@@ -47,6 +56,15 @@ class KVOffload:
         self.block_size = block_size
         self.restored = {t.name: 0 for t in tiers}  # blocks put back into the pool, by the tier they came from
         self._queued: list[tuple[int, bytes, tuple[int, ...]]] = []  # (block id, hash, tokens) to write
+        self.admit_after = admit_after
+        self.seen: OrderedDict[bytes, int] = OrderedDict()  # block hash -> prompts that carried it
+        self.not_admitted = 0  # blocks not written: too few prompts carried them
+        host = next((t for t in tiers if isinstance(t, HostTier)), None)
+        # Exclusive: the disk is written from the host tier's evictions, not from the pool
+        self.demote_to: list[DiskTier] = [t for t in tiers if isinstance(t, DiskTier)] if exclusive and host is not None else []
+        if host is not None and self.demote_to:
+            host.keep_evicted = True
+        self.write_to = [t for t in tiers if not any(t is d for d in self.demote_to)]
         if write == "through":
             blocks.on_store = self.save
         else:
@@ -59,23 +77,52 @@ class KVOffload:
     # ---- writing -------------------------------------------------------------------------------------
 
     def save(self, block_id: int, h: bytes, tokens: tuple[int, ...]) -> None:
+        if self.admit_after > 1 and self.seen.get(h, 0) < self.admit_after:
+            self.not_admitted += 1
+            return
         self._queued.append((block_id, h, tokens))
+
+    def _count_uses(self, hashes: list[bytes]) -> None:
+        if self.admit_after <= 1:
+            return
+        for h in hashes:
+            self.seen[h] = self.seen.pop(h, 0) + 1
+        while len(self.seen) > SEEN_LIMIT:
+            self.seen.popitem(last=False)
 
     def write_queued(self) -> None:
         """Copy the queued blocks to the tiers that lack them: one gather out of the pool for all of them."""
+        self._store(self._gather_queued())
+
+    def _gather_queued(self) -> "Gathered | None":
+        """The queued blocks (and the tiers that lack each), copied out of the pool, which may then reuse them."""
         queued, self._queued = self._queued, []
-        wanted = [(b, h, t, [tier for tier in self.tiers if h not in tier]) for b, h, t in queued]
-        wanted = [w for w in wanted if w[3]]
-        if not wanted:
+        wanted = [(h, t, [tier for tier in self.write_to if h not in tier]) for _, h, t in queued]
+        keep = [i for i, w in enumerate(wanted) if w[2]]
+        if not keep:
+            return None
+        return [wanted[i] for i in keep], gather_blocks(self.caches, [queued[i][0] for i in keep], self.block_size)
+
+    def _store(self, gathered: "Gathered | None") -> None:
+        if gathered is None:
             return
-        src = gather_blocks(self.caches, [b for b, _, _, _ in wanted], self.block_size)
-        for tier in self.tiers:
-            rows = [i for i, w in enumerate(wanted) if tier in w[3]]
+        wanted, src = gathered
+        for tier in self.write_to:
+            rows = [i for i, w in enumerate(wanted) if tier in w[2]]
             if isinstance(tier, HostTier):
-                tier.store([(wanted[i][1], wanted[i][2]) for i in rows], select_blocks(src, rows, self.block_size))
+                evicted = tier.store([wanted[i][:2] for i in rows], select_blocks(src, rows, self.block_size))
+                if evicted is not None:
+                    self._demote(evicted)
             else:
                 for i in rows:  # views of this step's gather, which the writer keeps until it has written them
-                    tier.put(wanted[i][1], wanted[i][2], select_blocks(src, [i], self.block_size))
+                    tier.put(wanted[i][0], wanted[i][1], select_blocks(src, [i], self.block_size))
+
+    def _demote(self, evicted: Evicted) -> None:
+        """Exclusive tiers: what the host tier evicted goes down to the disk."""
+        for tier in self.demote_to:
+            for i, (h, tokens) in enumerate(evicted.items):
+                if h not in tier:
+                    tier.put(h, tokens, select_blocks(evicted.tensors, [i], self.block_size))
 
     # ---- restoring -----------------------------------------------------------------------------------
 
@@ -100,6 +147,7 @@ class KVOffload:
         if req.needs_prompt_logprobs or req.num_computed_tokens:
             return 0
         hashes = blocks.prompt_hashes(req)
+        self._count_uses(hashes)
         where: list[Tier | None] = []  # per leading block: the tier that has it; None: the pool has it
         for i, h in enumerate(hashes):
             tokens = tuple(req.token_ids[i * bs : (i + 1) * bs])
@@ -133,7 +181,9 @@ class KVOffload:
             return 0
         n = len(found)
         taken = blocks.adopt(req.token_ids[: n * bs], hashes[:n])
-        self.write_queued()  # adopt may have evicted blocks for room: copy them out before they are overwritten
+        # adopt may have evicted blocks for room: copy them out of the pool before the restore overwrites them,
+        # and store them in the tiers only after it, so that no host slot it reads is reused first
+        evicted = self._gather_queued()
         # A block the pool held when we looked may have been evicted by adopt itself: no copy of it here.
         lost = [b for i, b in taken if found[i] is None]
         if lost:
@@ -156,6 +206,7 @@ class KVOffload:
             self.restored[tier.name] += len(ids)
             self.decide.rates.setdefault(tier.name, TierRate()).observe(
                 seconds[tier.name] + time.perf_counter() - started, len(ids))
+        self._store(evicted)
         if fill:
             blocks.release([b for b, _ in fill])
         return len(fill)

@@ -98,6 +98,7 @@ class EngineStats:
     offload_loaded: int = 0
     offload_recomputed: int = 0
     offload_saved_seconds: float = 0.0
+    offload_not_admitted: int = 0
     block_size: int = 16
 
 
@@ -454,7 +455,8 @@ class AsyncEngine:
             self._stats = dataclasses.replace(self._stats, offload=eng.offload.snapshot(),
                                               block_size=eng.cfg.block_size, offload_loaded=decisions.loaded,
                                               offload_recomputed=decisions.recomputed,
-                                              offload_saved_seconds=decisions.saved_seconds)
+                                              offload_saved_seconds=decisions.saved_seconds,
+                                              offload_not_admitted=eng.offload.not_admitted)
         if eng.spec is not None:
             spec = eng.spec.stats
             self._stats = dataclasses.replace(

@@ -97,7 +97,10 @@ def _offload_metrics(s: EngineStats) -> Iterator[Metric]:
     saved = CounterMetricFamily("kvyard_kv_offload_saved_seconds", "Prefill time the loaded blocks saved, net of "
                                 "loading them (estimated from the step-cost model and the tiers' rates)",
                                 value=s.offload_saved_seconds)
-    yield from (hits, stored, evicted, size, fallbacks, decisions, saved)
+    not_admitted = CounterMetricFamily("kvyard_kv_offload_not_admitted_blocks", "Blocks not written to the tiers: "
+                                       "fewer prompts than --kv-offload-admit-after carried them",
+                                       value=s.offload_not_admitted)
+    yield from (hits, stored, evicted, size, fallbacks, decisions, saved, not_admitted)
 
 
 class ServerMetrics:

@@ -41,3 +41,20 @@ def test_a_lookup_with_other_tokens_misses_and_a_zero_budget_keeps_nothing():
     small = HostTier(capacity_bytes=block_nbytes(LAYOUT) - 1, layout=LAYOUT)
     small.store([(b"h", (1,))], _blocks([1.0]))
     assert len(small) == 0 and small.num_blocks == 0
+
+
+def test_with_keep_evicted_a_store_hands_back_the_blocks_it_pushed_out_before_overwriting_them():
+    tier = HostTier(capacity_bytes=2 * block_nbytes(LAYOUT), layout=LAYOUT, keep_evicted=True)
+    assert tier.store([(b"a", (1,)), (b"b", (2,))], _blocks([1.0, 2.0])) is None  # room for both
+    out = tier.store([(b"c", (3,)), (b"d", (4,))], _blocks([3.0, 4.0]))
+    assert out is not None and out.items == [(b"a", (1,)), (b"b", (2,))]
+    for k, v in out.tensors:
+        assert torch.equal(k, torch.cat([torch.full((BS, 2, 8), 1.0), torch.full((BS, 2, 8), 2.0)]))
+        assert torch.equal(v, -k)
+
+
+def test_blocks_a_full_store_has_no_room_for_are_handed_back_too():
+    tier = HostTier(capacity_bytes=block_nbytes(LAYOUT), layout=LAYOUT, keep_evicted=True)
+    out = tier.store([(b"a", (1,)), (b"b", (2,)), (b"c", (3,))], _blocks([1.0, 2.0, 3.0]))
+    assert list(tier.entries) == [b"a"] and out is not None and out.items == [(b"b", (2,)), (b"c", (3,))]
+    assert torch.equal(out.tensors[0][0], torch.cat([torch.full((BS, 2, 8), v) for v in (2.0, 3.0)]))

@@ -113,3 +113,41 @@ def test_forced_recompute_reads_no_tier_and_changes_no_token(tiny_checkpoint):
     offload = never.engine.offload
     assert offload.restored_blocks == 0 and offload.decide.decisions.recomputed > 0
     assert offload.tiers[0].stats.stored > 0  # still written
+
+
+def test_admission_by_reuse_writes_only_blocks_that_prompts_carried_often_enough(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    ref = hf_reference(path)
+    # Seen once, then evicted: not written, so its second turn recomputes.
+    once, got = _run(path, kv_offload_host_memory="4MiB", kv_offload_admit_after=2)
+    prompts = [once.tokenizer(t).input_ids for t in TEXTS]
+    assert got == [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts + prompts[:1]]
+    assert once.engine.offload.restored_blocks == 0 and once.engine.offload.not_admitted > 0
+    assert once.engine.offload.tiers[0].stats.stored == 0
+    # Seen twice before the others evict it: written, and it comes back.
+    twice = LLM(str(path), dtype="float32", block_size=BLOCK, kv_cache_memory=_pool_bytes(path, 24),
+                kv_offload_host_memory="4MiB", kv_offload_admit_after=2)
+    outs = [twice.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts[:1] + prompts + prompts[:1]]
+    assert outs[-1] == hf_greedy(ref, prompts[0], GREEDY.max_tokens)
+    assert twice.engine.offload.restored_blocks == (len(prompts[0]) - 1) // BLOCK
+
+
+def test_exclusive_tiers_demote_what_the_host_tier_evicts_to_disk(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("llama")
+    block = _pool_bytes(path, 1)
+    with pytest.raises(ConfigError, match="larger than the host tier"):
+        LLM(str(path), dtype="float32", block_size=BLOCK, kv_offload_host_memory=4 * block,
+            kv_offload_disk=str(tmp_path), kv_offload_disk_capacity=4 * block)
+    # A host tier of 6 blocks: the first prompt's blocks are pushed down to the disk by the later ones.
+    llm, got = _run(path, kv_offload_host_memory=6 * block, kv_offload_disk=str(tmp_path / "d"),
+                    kv_offload_disk_capacity="1MiB", kv_offload_tiers="exclusive")
+    _, want = _run(path)
+    assert got == want
+    offload = llm.engine.offload
+    host, disk = offload.tiers
+    offload.flush()
+    # The disk got what the host evicted or had no room for, never a block the host still holds
+    assert host.stats.evicted > 0 and disk.stats.stored >= host.stats.evicted
+    assert not set(host.entries) & set(disk.index)
+    assert offload.restored["disk"] > 0 and offload.restored["host"] > 0
+    assert len(host) + len(disk) > host.num_blocks  # the capacities add up
