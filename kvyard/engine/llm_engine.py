@@ -17,6 +17,7 @@ from kvyard.engine.block_manager import BlockManager
 from kvyard.engine.calibrate import calibrate_step_cost
 from kvyard.engine.host_memory import keep_freed_memory
 from kvyard.engine.kv_cache import KVGroups, allocate_kv_caches, pool_sizes
+from kvyard.engine.kv_events import KVEvent
 from kvyard.engine.kv_handoff import HeldKV, select_blocks
 from kvyard.engine.model_runner import ModelRunner
 from kvyard.engine.prompt_logprobs import record_prompt_logprobs
@@ -257,6 +258,18 @@ class LLMEngine:
         self._pending.append(self._output(tracked))
         self.stats["aborted"] += 1
         return True
+
+    def enable_kv_events(self) -> set[bytes]:
+        """Record the prefix cache's and the offload tiers' changes; returns the pool's cached hashes now."""
+        if self.offload is not None:
+            self.offload.enable_events()
+        return self.blocks.enable_events()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        events = self.blocks.take_events()
+        if self.offload is not None:
+            events += self.offload.take_events()
+        return events
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)

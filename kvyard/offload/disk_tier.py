@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvyard.offload.codec import BlockLayout, decode_block, encode_block
-from kvyard.offload.host_tier import TierBlock, tensors_nbytes
+from kvyard.offload.host_tier import OnChange, TierBlock, tensors_nbytes
 from kvyard.offload.writer import QueuedWriter
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,15 @@ class DiskTier:
     max_pending: int = 256
     name: str = "disk"
     stats: DiskStats = field(default_factory=DiskStats)
+    on_change: OnChange | None = None  # called on the writer's thread for writes
+
+    @property
+    def medium(self) -> str:
+        return self.name
+
+    def held(self) -> list[bytes]:
+        with self._lock:
+            return list(self.index)
 
     def __post_init__(self) -> None:
         self.dir = Path(self.root) / self.fingerprint
@@ -114,11 +123,15 @@ class DiskTier:
             self.index[h] = len(data)
             self.used_bytes += len(data)
             self.stats.stored += 1
+            removed = []
             while self.used_bytes > self.capacity_bytes and self.index:
                 old, size = self.index.popitem(last=False)
                 self.used_bytes -= size
                 self.stats.evicted += 1
                 self._path(old).unlink(missing_ok=True)
+                removed.append(old)
+        if self.on_change is not None:
+            self.on_change(self.medium, [h] if h in self.index else [], removed)
 
     # ---- reading -------------------------------------------------------------------------------------
 
@@ -142,5 +155,7 @@ class DiskTier:
             self.used_bytes -= self.index.pop(h, 0)
         setattr(self.stats, why, getattr(self.stats, why) + 1)
         self._path(h).unlink(missing_ok=True)
+        if self.on_change is not None:
+            self.on_change(self.medium, [], [h])
         log.warning("disk KV tier: block %s was %s; its request recomputes it", h.hex()[:12], why)
         return None

@@ -8,6 +8,7 @@ An entry keeps the block's tokens, and a lookup compares them, so a hash collisi
 """
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,10 @@ class TierBlock:
     tokens: tuple[int, ...]
     tensors: list[list[torch.Tensor]]  # per layer, the block's [k, v] (and int8 scales) as the cache stores them
     nbytes: int
+
+
+# Told which blocks a tier gained and lost (medium, stored, removed): KVOffload turns them into KV events
+OnChange = Callable[[str, list[bytes], list[bytes]], None]
 
 
 def tensors_nbytes(tensors: list[list[torch.Tensor]]) -> int:
@@ -55,6 +60,14 @@ class HostTier:
     name: str = "host"
     keep_evicted: bool = False  # store() returns what it evicts (exclusive tiers demote it to the next tier)
     stats: TierStats = field(default_factory=TierStats)
+    on_change: OnChange | None = None
+
+    @property
+    def medium(self) -> str:
+        return self.name
+
+    def held(self) -> list[bytes]:
+        return list(self.entries)
 
     def __post_init__(self) -> None:
         self.block_bytes = block_nbytes(self.layout)
@@ -114,6 +127,8 @@ class HostTier:
         if slots:
             _copy_blocks(src, rows, self.pool, slots, self.block_size)
             self.stats.stored += len(slots)
+            if self.on_change is not None:
+                self.on_change(self.medium, [items[i][0] for i in rows], [h for h, _ in evicted])
         return out
 
     def has(self, h: bytes, tokens: tuple[int, ...]) -> bool:

@@ -20,12 +20,13 @@
 
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import torch
 
 from kvyard.disagg.blocks import gather_blocks, layer_tensors, scatter_blocks
 from kvyard.engine.block_manager import BlockManager
+from kvyard.engine.kv_events import BlockRemoved, BlockStored, KVEvent
 from kvyard.engine.kv_handoff import select_blocks
 from kvyard.engine.request import Request
 from kvyard.models.kv_layer import LayerKV
@@ -43,6 +44,8 @@ WRITE_POLICIES = ("back", "through")
 Found = tuple[HostTier, int] | tuple[ByteTier, TierBlock]
 # Blocks copied out of the pool for the tiers: per block (hash, tokens, tiers that lack it), and their KV
 Gathered = tuple[list[tuple[bytes, tuple[int, ...], list[Tier]]], list[list[torch.Tensor]]]
+# Before a tier's load rate is measured, the share of a pool block's credit a router gives its blocks (Dynamo's)
+DEFAULT_CREDITS = {"host": 0.75, "disk": 0.25, "redis": 0.25}
 SEEN_LIMIT = 1 << 16  # block hashes whose uses admission by reuse remembers (least recently seen out first)
 
 
@@ -65,6 +68,10 @@ class KVOffload:
         if host is not None and self.demote_to:
             host.keep_evicted = True
         self.write_to = [t for t in tiers if not any(t is d for d in self.demote_to)]
+        # KV events of the tiers (None: nobody listens); the disk's and Redis's writers append from their threads
+        self.events: deque[KVEvent] | None = None
+        for t in tiers:
+            t.on_change = self._changed
         if write == "through":
             blocks.on_store = self.save
         else:
@@ -210,6 +217,41 @@ class KVOffload:
         if fill:
             blocks.release([b for b, _ in fill])
         return len(fill)
+
+    # ---- KV events -----------------------------------------------------------------------------------
+
+    def enable_events(self) -> None:
+        """Start recording the tiers' changes, from what they hold now."""
+        self.events = deque(BlockStored(held, None, [], self.block_size, t.medium)
+                            for t in self.tiers if (held := t.held()))
+
+    def _changed(self, medium: str, stored: list[bytes], removed: list[bytes]) -> None:
+        events = self.events
+        if events is None:
+            return
+        if removed:
+            events.append(BlockRemoved(removed, medium))
+        if stored:
+            events.append(BlockStored(stored, None, [], self.block_size, medium))
+
+    def take_events(self) -> list[KVEvent]:
+        out: list[KVEvent] = []
+        while self.events:
+            out.append(self.events.popleft())
+        return out
+
+    def credits(self) -> dict[str, float]:
+        """Per tier (by KV-event medium), the share of a pool block's prefill time a block there saves: one less
+        its measured load time over the time to recompute it (the first block of a prompt, the cheapest)."""
+        out = {}
+        recompute = self.decide.recompute_seconds(0)
+        for t in self.tiers:
+            rate = self.decide.rates.get(t.name)
+            if recompute is None or rate is None or rate.seconds_per_block is None:
+                out[t.medium] = DEFAULT_CREDITS[t.name]
+            else:
+                out[t.medium] = round(min(1.0, max(0.0, 1.0 - rate.seconds_per_block / recompute)), 3)
+        return out
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ tier is skipped for a few seconds before it is tried again; writes go through a 
 thread. The request recomputes what the tier could not give.
 """
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,8 +18,9 @@ from dataclasses import dataclass, field
 import redis
 import torch
 
+from kvyard.engine.kv_events import SHARED_PREFIX
 from kvyard.offload.codec import BlockLayout, decode_block, encode_block
-from kvyard.offload.host_tier import TierBlock, tensors_nbytes
+from kvyard.offload.host_tier import OnChange, TierBlock, tensors_nbytes
 from kvyard.offload.writer import QueuedWriter
 
 log = logging.getLogger(__name__)
@@ -47,11 +49,19 @@ class RedisTier:
     max_pending: int = 256
     name: str = "redis"
     stats: RedisStats = field(default_factory=RedisStats)
+    on_change: OnChange | None = None  # called on the writer's thread for writes
+
+    def held(self) -> list[bytes]:
+        return []  # the server's keys are every replica's: a router learns them from each replica's writes
 
     def __post_init__(self) -> None:
         self.client = redis.Redis.from_url(self.url, socket_timeout=self.timeout_s,
                                            socket_connect_timeout=self.timeout_s)
         self.prefix = f"kvyard:kv:{self.fingerprint}:".encode()
+        # Replicas of one model writing to one server share this name in their KV events
+        server = self.client.connection_pool.connection_kwargs
+        where = f"{server.get('host')}:{server.get('port')}/{server.get('db')}:{self.fingerprint}"
+        self.medium = SHARED_PREFIX + hashlib.sha256(where.encode()).hexdigest()[:12]
         self.used_bytes = 0  # what this worker wrote; the server's own budget bounds the whole tier
         self._down_until = 0.0
         self.writer = QueuedWriter(self._write, self.name, self.max_pending, self._failed)
@@ -94,6 +104,8 @@ class RedisTier:
         self.client.set(self._key(h), data, ex=self.ttl_s)
         self.stats.stored += 1
         self.used_bytes += len(data)
+        if self.on_change is not None:
+            self.on_change(self.medium, [h], [])
 
     def get(self, h: bytes, tokens: tuple[int, ...]) -> TierBlock | None:
         if not self.available:
@@ -104,13 +116,19 @@ class RedisTier:
             self._failed(e)
             return None
         if data is None:
+            self._gone(h)
             return None
         tensors = decode_block(data, tokens, self.layout)  # type: ignore[arg-type]
         if tensors is None:
             self.stats.corrupt += 1
+            self._gone(h)
             return None
         self.stats.hits += 1
         return TierBlock(tokens, tensors, tensors_nbytes(tensors))
+
+    def _gone(self, h: bytes) -> None:
+        if self.on_change is not None:
+            self.on_change(self.medium, [], [h])
 
     def flush(self) -> None:
         self.writer.flush()

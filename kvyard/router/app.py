@@ -170,7 +170,9 @@ def build_router_app(settings: RouterSettings, tokenizer: Any, controller: Any =
                 "policy": settings.policy,
                 "block_size": reg.block_size,
                 "model": reg.model,
-                "workers": [w.describe() for w in reg.workers.values()],
+                "workers": [{**w.describe(), "cached_blocks": reg.index.num_blocks(w.url),
+                             "tier_blocks": reg.index.tiers.num_blocks(w.url),
+                             "tier_credits": reg.index.tiers.credits(w.url)} for w in reg.workers.values()],
             }
         )
 

@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from kvyard.cluster.auth import present_token
-from kvyard.engine.kv_events import BlockRemoved, BlockStored
+from kvyard.engine.kv_events import DEVICE, BlockRemoved, BlockStored
 from kvyard.router.prefix_index import PrefixIndex
 from kvyard.server.kv_events import KVEventBatch, KVSnapshot
 
@@ -107,16 +107,25 @@ class KVEventSubscriber:
             await self.resync("gap")
         if batch.instance_id == self.instance_id and batch.seq == self.seq + 1 and batch.events:
             self.apply(batch)
+        if batch.instance_id == self.instance_id:
+            self.index.tiers.set_credits(self.worker_url, batch.credits)
         # else: already part of the snapshot (older), or a heartbeat at our seq: nothing to do
 
     def apply(self, batch: KVEventBatch) -> None:
+        tiers = self.index.tiers
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                self.index.add(self.worker_url, ev.block_hashes)
+                if ev.medium == DEVICE:
+                    self.index.add(self.worker_url, ev.block_hashes)
+                else:
+                    tiers.add(self.worker_url, ev.medium, ev.block_hashes)
             elif isinstance(ev, BlockRemoved):
-                self.index.remove(self.worker_url, ev.block_hashes)
+                if ev.medium == DEVICE:
+                    self.index.remove(self.worker_url, ev.block_hashes)
+                else:
+                    tiers.remove(self.worker_url, ev.medium, ev.block_hashes)
             else:
-                self.index.drop(self.worker_url)
+                self.index.clear_pool(self.worker_url)  # the pool was dropped; the tiers keep theirs
         self.seq = batch.seq
         self.on_events(len(batch.events))
 
@@ -124,7 +133,8 @@ class KVEventSubscriber:
         r = await self.client.get(self.worker_url + "/kv/snapshot", timeout=10.0)
         r.raise_for_status()
         snap = msgspec.json.decode(r.content, type=KVSnapshot)
-        self.index.replace(self.worker_url, (bytes.fromhex(h) for h in snap.block_hashes))
+        self.index.replace(self.worker_url, (bytes.fromhex(h) for h in snap.block_hashes),
+                           {m: [bytes.fromhex(h) for h in hs] for m, hs in snap.tiers.items()})
         self.instance_id, self.seq = snap.instance_id, snap.seq
         self.resyncs += 1
         log.info(

@@ -18,8 +18,8 @@ from kvyard.router.worker import Worker
 @dataclass
 class Decision:
     worker: Worker
-    overlap: int  # blocks of the request the chosen worker holds
-    oracle: int  # the most any live worker holds
+    overlap: float  # blocks of the request the chosen worker holds (a tier's blocks at their credit)
+    oracle: float  # the most any live worker holds
     reason: str
 
 
@@ -44,11 +44,15 @@ class Placement:
     def holds(self, worker: str, h: bytes) -> bool:
         return self.index.holds(worker, h) or self.predicted.holds(worker, h)
 
+    def credit(self, worker: str, h: bytes) -> float:
+        """1.0 for a block in the worker's pool (or predicted there), its tier's credit for one it can load."""
+        return 1.0 if self.holds(worker, h) else self.index.tiers.credit(worker, h)
+
     def live(self, pool: str = "decode") -> list[Worker]:
         return [w for w in self.registry.routable() if w.serves(pool)]
 
-    def overlaps(self, req: RouteRequest, workers: list[Worker]) -> dict[str, int]:
-        return leading_overlap(req.hashes[: req.matchable], [w.url for w in workers], self.holds)
+    def overlaps(self, req: RouteRequest, workers: list[Worker]) -> dict[str, float]:
+        return leading_overlap(req.hashes[: req.matchable], [w.url for w in workers], self.credit)
 
     def pick(
         self,

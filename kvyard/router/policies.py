@@ -22,7 +22,7 @@ from kvyard.router.worker import Worker
 @dataclass
 class Candidate:
     worker: Worker
-    overlap: int  # leading blocks of the request this worker holds (index + predicted)
+    overlap: float  # leading blocks of the request this worker holds (index + predicted; a tier's at its credit)
 
 
 @dataclass

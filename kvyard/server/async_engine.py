@@ -99,6 +99,7 @@ class EngineStats:
     offload_recomputed: int = 0
     offload_saved_seconds: float = 0.0
     offload_not_admitted: int = 0
+    offload_credits: dict[str, float] = dataclasses.field(default_factory=dict)  # per tier, for a router
     block_size: int = 16
 
 
@@ -205,6 +206,10 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopped.is_set()
 
+    def offload_credits(self) -> dict[str, float]:
+        """Per offload tier (KV-event medium), the credit a router gives its blocks (from any thread)."""
+        return self._stats.offload_credits
+
     def stats(self) -> EngineStats:
         # The pending count moves on both sides of the queue; read it live, not from the last snapshot.
         return dataclasses.replace(self._stats, num_pending=self._pending)
@@ -306,8 +311,8 @@ class AsyncEngine:
             while self._take_commands(block=not self._engine.has_unfinished_requests()):
                 if self._engine.has_unfinished_requests():
                     self._step()
-                if self._kv_sink is not None and self._engine.blocks.events:
-                    self._kv_sink(self._engine.blocks.take_events())
+                if self._kv_sink is not None and (events := self._engine.take_kv_events()):
+                    self._kv_sink(events)
                 self._publish_stats()
         except BaseException:  # pragma: no cover - a bug in this loop; fail loudly but cleanly
             log.exception("the engine loop crashed")
@@ -333,7 +338,7 @@ class AsyncEngine:
                     self._add(cmd)
                 elif isinstance(cmd, _EnableKVEvents):
                     self._kv_sink = cmd.sink
-                    cmd.done.set_result(self._engine.blocks.enable_events())
+                    cmd.done.set_result(self._engine.enable_kv_events())
                 elif isinstance(cmd, _HeldKV):
                     self._held_kv(cmd)
                 else:
@@ -456,7 +461,8 @@ class AsyncEngine:
                                               block_size=eng.cfg.block_size, offload_loaded=decisions.loaded,
                                               offload_recomputed=decisions.recomputed,
                                               offload_saved_seconds=decisions.saved_seconds,
-                                              offload_not_admitted=eng.offload.not_admitted)
+                                              offload_not_admitted=eng.offload.not_admitted,
+                                              offload_credits=eng.offload.credits())
         if eng.spec is not None:
             spec = eng.spec.stats
             self._stats = dataclasses.replace(

@@ -7,7 +7,9 @@ events, the current `seq`), so a subscriber notices a gap or a restart (new `ins
 
 PUB drops messages when a subscriber is slow or not yet connected, by design. A subscriber that sees a gap
 fetches `snapshot()` (over HTTP, `GET /kv/snapshot`): the mirror and the `seq` it reflects, taken under one
-lock, so every batch with a higher `seq` applies on top of it.
+lock, so every batch with a higher `seq` applies on top of it. The mirror keeps the worker's own offload tiers
+too (host, disk), not a tier shared with other replicas (Redis), whose keys are theirs as well; and every batch
+carries the worker's measured credit per tier (kvyard/offload/manager.py `KVOffload.credits`).
 """
 
 import logging
@@ -15,12 +17,13 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import msgspec
 import zmq
 
 from kvyard.cluster.auth import guard_server_socket
-from kvyard.engine.kv_events import KVEvent, apply_events
+from kvyard.engine.kv_events import AllBlocksCleared, KVEvent, apply_events, is_shared
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +33,14 @@ class KVEventBatch(msgspec.Struct, frozen=True):
     seq: int  # of the last batch with events; a heartbeat repeats it
     ts: float
     events: list[KVEvent]
+    credits: dict[str, float] = {}  # per offload tier (medium): the share of a pool block's credit its blocks earn
 
 
 class KVSnapshot(msgspec.Struct, frozen=True):
     instance_id: str
     seq: int
     block_hashes: list[str]  # hex
+    tiers: dict[str, list[str]] = {}  # the worker's own offload tiers: medium -> hex hashes
 
 
 _STOP = object()
@@ -64,6 +69,8 @@ class KVEventPublisher:
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._hashes: set[bytes] = set()
+        self._tiers: dict[str, set[bytes]] = {}
+        self.credits: Callable[[], dict[str, float]] = dict  # set by whoever knows the tiers
         self._seq = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._thread: threading.Thread | None = None
@@ -84,7 +91,8 @@ class KVEventPublisher:
 
     def snapshot(self) -> KVSnapshot:
         with self._lock:
-            return KVSnapshot(self.instance_id, self._seq, [h.hex() for h in self._hashes])
+            return KVSnapshot(self.instance_id, self._seq, [h.hex() for h in self._hashes],
+                              {m: [h.hex() for h in hs] for m, hs in self._tiers.items() if hs})
 
     def close(self) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -112,9 +120,10 @@ class KVEventPublisher:
     def _publish(self, events: list[KVEvent]) -> None:
         with self._lock:
             self._seq += 1
-            apply_events(self._hashes, events)
+            own = [e for e in events if isinstance(e, AllBlocksCleared) or not is_shared(e.medium)]
+            apply_events(self._hashes, own, self._tiers)
         self._send(events)
 
     def _send(self, events: list[KVEvent]) -> None:
-        batch = KVEventBatch(self.instance_id, self._seq, time.time(), events)
+        batch = KVEventBatch(self.instance_id, self._seq, time.time(), events, self.credits())
         self._sock.send(self._encoder.encode(batch))

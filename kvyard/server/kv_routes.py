@@ -25,6 +25,7 @@ def start_publisher(engine: AsyncEngine, settings: ServerSettings) -> KVEventPub
         return None
     publisher = KVEventPublisher(settings.host, settings.kv_events_port, token=settings.cluster_token)
     try:
+        publisher.credits = engine.offload_credits
         publisher.start(engine.enable_kv_events(publisher.put).result(_ATTACH_TIMEOUT_S))
     except BaseException:
         publisher.close()

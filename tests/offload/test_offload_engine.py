@@ -151,3 +151,27 @@ def test_exclusive_tiers_demote_what_the_host_tier_evicts_to_disk(tiny_checkpoin
     assert not set(host.entries) & set(disk.index)
     assert offload.restored["disk"] > 0 and offload.restored["host"] > 0
     assert len(host) + len(disk) > host.num_blocks  # the capacities add up
+
+
+def test_the_tiers_kv_events_replay_to_exactly_what_each_tier_holds(tiny_checkpoint, tmp_path):
+    from kvyard.engine.kv_events import apply_events
+
+    path = tiny_checkpoint("llama")
+    block = _pool_bytes(path, 1)
+    llm = LLM(str(path), dtype="float32", block_size=BLOCK, kv_cache_memory=_pool_bytes(path, 24),
+              kv_offload_host_memory=6 * block, kv_offload_disk=str(tmp_path), kv_offload_disk_capacity=10 * block)
+    eng = llm.engine
+    pool: set[bytes] = set()
+    tiers: dict[str, set[bytes]] = {}
+    pool |= eng.enable_kv_events()
+    for t in TEXTS + TEXTS[:1]:
+        llm.generate([llm.tokenizer(t).input_ids], GREEDY)
+        apply_events(pool, eng.take_kv_events(), tiers)
+    eng.offload.flush()
+    apply_events(pool, eng.take_kv_events(), tiers)
+    host, disk = eng.offload.tiers
+    assert host.stats.evicted > 0 and disk.stats.evicted > 0  # both had to make room: removals were sent too
+    assert tiers == {"host": set(host.entries), "disk": set(disk.index)}
+    assert pool == set(eng.blocks.cached)
+    credits = eng.offload.credits()
+    assert set(credits) == {"host", "disk"} and all(0.0 <= c <= 1.0 for c in credits.values())
