@@ -6,6 +6,10 @@
   again, against a cold worker without tiers.
 - no-reuse: prompts that share nothing, through a small pool, with the tiers writing every evicted block: the
   cost of writing, as throughput against no tier.
+- decision: prompts of each length bucket, all on disk, answered by a restarted worker with the load-or-
+  recompute decision on (auto), forced to load, and forced to recompute; TTFT p50 per bucket. Twice: from the
+  real disk, and from a simulated slow remote tier (the disk with a fixed delay added to every block read,
+  by default twice the engine's own cost of recomputing a block), where loading can lose to recomputing.
 """
 
 import argparse
@@ -25,7 +29,8 @@ from kvyard.loader.checkpoint import load_checkpoint
 from kvyard.loader.registry import resolve_model
 from kvyard.sampling_params import SamplingParams
 
-SCENARIOS = ("working-set", "restart", "no-reuse")
+SCENARIOS = ("working-set", "restart", "no-reuse", "decision")
+DECISION_MODES = ("auto", "load", "recompute")
 
 
 def add_offload_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,6 +47,10 @@ def add_offload_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restart-prompt-len", type=int, default=2000)
     p.add_argument("--no-reuse-requests", type=int, default=64)
     p.add_argument("--no-reuse-prompt-len", type=int, default=512)
+    p.add_argument("--decision-buckets", default="128,512,2048", help="prompt lengths of the decision scenario")
+    p.add_argument("--decision-prompts", type=int, default=4, help="prompts per bucket")
+    p.add_argument("--slow-tier-ms", type=float, default=None,
+                   help="delay per block read of the simulated slow tier (default: twice a block's recompute)")
     p.add_argument("--plot-out", default=None, help="PNG of TTFT p50 by tier (working set)")
     p.add_argument("--json-out", default=None)
     add_engine_args(p)
@@ -177,6 +186,53 @@ def _no_reuse(args: argparse.Namespace, tiers: list[str], per_token: float, voca
     return results
 
 
+def _slowed(get: Any, delay_s: float) -> Any:
+    """A tier's block read with a fixed delay first: a remote tier (NFS, object store) simulated on the disk."""
+    def slow_get(h: bytes, tokens: tuple[int, ...]) -> Any:
+        time.sleep(delay_s)
+        return get(h, tokens)
+    return slow_get
+
+
+def _decision(args: argparse.Namespace, vocab: int, workdir: Path) -> dict[str, Any]:
+    rng = random.Random(3)
+    buckets = [int(n) for n in args.decision_buckets.split(",")]
+    prompts = {n: [_tokens(rng, n, vocab) for _ in range(args.decision_prompts)] for n in buckets}
+    warm = [_tokens(rng, n, vocab) for n in buckets]  # fit the step-cost model, measure the tier
+    disk = {"kv_offload_disk": str(workdir / "decision"), "kv_offload_disk_capacity": "16GiB",
+            "kv_offload_write": "through"}
+    writer = _llm(args, **disk)
+    for p in warm + [p for n in buckets for p in prompts[n]]:
+        _ttft(writer, p)
+    offload = writer.engine.offload
+    assert offload is not None
+    offload.flush()
+    block_s = offload.decide.recompute_seconds(0) or 0.0
+    offload.close()
+    delay_s = args.slow_tier_ms / 1000 if args.slow_tier_ms is not None else 2 * block_s
+    results: dict[str, Any] = {"block_recompute_ms": 1000 * block_s, "slow_tier_delay_ms": 1000 * delay_s}
+    for tier, delay in (("disk", 0.0), ("slow", delay_s)):
+        by_mode: dict[str, dict[int, float]] = {}
+        restored: dict[str, int] = {}
+        for mode in DECISION_MODES:
+            llm = _llm(args, kv_offload_decision=mode, **disk)
+            offload = llm.engine.offload
+            assert offload is not None
+            if delay:
+                disk_tier = offload.tiers[0]
+                disk_tier.get = _slowed(disk_tier.get, delay)  # type: ignore[method-assign]
+            for p in warm:  # from the tier: the cost model and the tier's rate are measured before timing
+                _ttft(llm, p)
+            by_mode[mode] = {n: 1000 * statistics.median(_ttft(llm, p) for p in prompts[n]) for n in buckets}
+            restored[mode] = offload.restored_blocks
+            offload.close()
+            print(f"decision {tier} {mode}: " + ", ".join(f"{n} tok {ms:.0f} ms" for n, ms in by_mode[mode].items()),
+                  file=sys.stderr)
+        results[tier] = {"ttft_p50_ms": by_mode, "restored_blocks": restored, "auto_vs_best": {
+            n: min(by_mode["load"][n], by_mode["recompute"][n]) / by_mode["auto"][n] for n in buckets}}
+    return results
+
+
 def _plot(working_set: dict[str, Any], path: str, pool_fraction: float) -> None:
     import matplotlib
 
@@ -212,5 +268,7 @@ def run_offload_bench(args: argparse.Namespace) -> int:
             result["restart"] = _restart(args, model.vocab_size, workdir)
         if "no-reuse" in scenarios:
             result["no_reuse"] = _no_reuse(args, tiers, per_token, model.vocab_size, workdir)
+        if "decision" in scenarios:
+            result["decision"] = _decision(args, model.vocab_size, workdir)
     emit_json(result, args.json_out)
     return 0

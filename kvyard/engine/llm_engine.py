@@ -111,7 +111,9 @@ class LLMEngine:
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
         self.held: dict[str, HeldKV] = {}  # KV of finished prefill-only requests, until pulled (kv_handoff)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "aborted": 0, "step_seconds": 0.0}
-        if self.scheduler.stall_free:  # so that it predicts from the first step
+        # So that it predicts from the first step: stall-free batching, and the offload's load-or-recompute
+        # decision (which prices recomputing a block with it) need it
+        if self.scheduler.stall_free or (self.offload is not None and cfg.kv_offload_decision == "auto"):
             calibrate_step_cost(self)
 
     def _offload(self, caches: "list[LayerKV]") -> "KVOffload | None":
@@ -147,11 +149,17 @@ class LLMEngine:
             from kvyard.offload.redis_tier import RedisTier
 
             tiers.append(RedisTier(cfg.kv_offload_redis, layout, fingerprint))
-        decide = LoadOrRecompute(self.scheduler.cost, bs, cfg.kv_offload_decision)
+        decide = LoadOrRecompute(self.scheduler.cost, bs, cfg.kv_offload_decision,
+                                 seconds_per_token=self._seconds_per_token)
         offload = KVOffload(tiers, caches, self.blocks, cfg.block_size, decide, cfg.kv_offload_write,
                             cfg.kv_offload_admit_after, cfg.kv_offload_tiers == "exclusive")
         self.scheduler.restore = offload.restore
         return offload
+
+    def _seconds_per_token(self) -> float | None:
+        """Mean wall time per token of the steps so far (None before the first)."""
+        tokens = self.stats["prompt_tokens"] + self.stats["generation_tokens"]
+        return self.stats["step_seconds"] / tokens if tokens else None
 
     def _block_pools(self, num_blocks: int, window_blocks: int) -> BlockManager:
         cfg, groups = self.cfg, self.kv_groups

@@ -9,6 +9,7 @@ assumed free, so it gets measured; a tier slower than recomputing stops being re
 waits on a slow tier.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvyard.engine.step_cost import ATTENDED_UNIT, StepCostModel
@@ -40,11 +41,15 @@ class LoadOrRecompute:
     mode: str = "auto"  # auto, load (always) or recompute (never read a tier)
     rates: dict[str, TierRate] = field(default_factory=dict)
     decisions: Decisions = field(default_factory=Decisions)
+    # Before the cost model has a fit (a model so small that its steps' times hardly depend on their tokens):
+    # the engine's mean seconds per token so far, an upper bound that errs towards loading; None: no steps yet
+    seconds_per_token: Callable[[], float | None] = lambda: None
 
     def recompute_seconds(self, index: int) -> float | None:
-        """What computing block `index` of a prompt costs the engine; None before its cost model has a fit."""
+        """What computing block `index` of a prompt costs the engine; None before it has run a step."""
         if not self.cost.ready:
-            return None
+            per_token = self.seconds_per_token()
+            return None if per_token is None else per_token * self.block_size
         _, per_token, per_kilo_pair = self.cost.coefficients
         bs = self.block_size
         pairs = bs * index * bs + bs * (bs + 1) // 2

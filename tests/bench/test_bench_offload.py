@@ -11,6 +11,7 @@ def test_every_scenario_reports_its_comparison(tiny_checkpoint, tmp_path):
     rc = main(["bench", "offload", "--model", str(tiny_checkpoint("llama")), "--dtype", "float32",
                "--block-size", "4", "--conversations", "3", "--turns", "2", "--history-len", "40",
                "--user-len", "4", "--output-len", "4", "--pool-fraction", "0.5", "--restart-prompt-len", "60", "--no-reuse-requests", "6", "--no-reuse-prompt-len", "64",
+               "--decision-buckets", "16,64", "--decision-prompts", "2", "--slow-tier-ms", "50",
                "--tiers", "host,disk", "--json-out", str(out), "--plot-out", str(plot)])
     assert rc == 0
     r = json.loads(out.read_text())
@@ -21,3 +22,9 @@ def test_every_scenario_reports_its_comparison(tiny_checkpoint, tmp_path):
         assert ws[tier]["tiers"][tier]["restored"] > 0 and ws[tier]["hit_tokens"] > ws["none"]["hit_tokens"]
     assert r["restart"]["restored_blocks"] == (60 - 1) // 4
     assert set(r["no_reuse"]) == {"none", "host", "disk"} and plot.stat().st_size > 1000
+    # A tier 50 ms a block is slower than recomputing anything on the tiny model: once measured (the first
+    # warm-up restore), auto stops reading it; forced load reads every block, forced recompute none.
+    slow = r["decision"]["slow"]
+    assert set(slow["ttft_p50_ms"]) == {"auto", "load", "recompute"} and set(slow["ttft_p50_ms"]["auto"]) == {"16", "64"}
+    assert slow["restored_blocks"]["recompute"] == 0
+    assert 0 < slow["restored_blocks"]["auto"] < slow["restored_blocks"]["load"]

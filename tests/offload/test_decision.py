@@ -51,3 +51,11 @@ def test_rates_follow_measurements():
     assert rate.seconds_per_block == 0.005
     rate.observe(0.001, 1)
     assert 0.001 < rate.seconds_per_block < 0.005
+
+
+def test_without_a_fit_the_engines_mean_seconds_per_token_prices_a_block():
+    d = LoadOrRecompute(StepCostModel(), BS, "auto")
+    d.rates["disk"] = TierRate(0.05)
+    assert d.recompute_seconds(0) is None and d.blocks_to_load(["disk"] * 3) == 3  # nothing known: load
+    d.seconds_per_token = lambda: 1e-4  # a block costs 0.4 ms to recompute: the 50 ms tier is not read
+    assert d.recompute_seconds(3) == 4e-4 and d.blocks_to_load(["disk"] * 3) == 0
