@@ -111,9 +111,9 @@ class LLMEngine:
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
         self.held: dict[str, HeldKV] = {}  # KV of finished prefill-only requests, until pulled (kv_handoff)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "aborted": 0, "step_seconds": 0.0}
-        # So that it predicts from the first step: stall-free batching, and the offload's load-or-recompute
-        # decision (which prices recomputing a block with it) need it
-        if self.scheduler.stall_free or (self.offload is not None and cfg.kv_offload_decision == "auto"):
+        # So that it predicts from the first step: stall-free batching needs it, and so does the offload (its
+        # load-or-recompute decision and the tier credits it sends a router price recomputing a block with it)
+        if self.scheduler.stall_free or self.offload is not None:
             calibrate_step_cost(self)
 
     def _offload(self, caches: "list[LayerKV]") -> "KVOffload | None":
