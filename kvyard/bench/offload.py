@@ -7,9 +7,10 @@
 - no-reuse: prompts that share nothing, through a small pool, with the tiers writing every evicted block: the
   cost of writing, as throughput against no tier.
 - decision: prompts of each length bucket, all on disk, answered by a restarted worker with the load-or-
-  recompute decision on (auto), forced to load, and forced to recompute; TTFT p50 per bucket. Twice: from the
-  real disk, and from a simulated slow remote tier (the disk with a fixed delay added to every block read,
-  by default twice the engine's own cost of recomputing a block), where loading can lose to recomputing.
+  recompute decision on (auto), forced to load, and forced to recompute; TTFT p50 per bucket. From the real
+  disk, and from simulated slow remote tiers (the disk with a fixed delay added to every block read, by default
+  1.4 and 2 times the engine's own cost of recomputing a block), where loading loses to recomputing for short
+  prompts (and at 2x for all).
 """
 
 import argparse
@@ -31,6 +32,7 @@ from kvyard.sampling_params import SamplingParams
 
 SCENARIOS = ("working-set", "restart", "no-reuse", "decision")
 DECISION_MODES = ("auto", "load", "recompute")
+SLOW_TIER_FACTORS = (1.4, 2.0)  # simulated slow tiers: seconds per block read, against recomputing a block
 
 
 def add_offload_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -50,8 +52,9 @@ def add_offload_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decision-buckets", default="128,512,2048", help="prompt lengths of the decision scenario")
     p.add_argument("--decision-prompts", type=int, default=4, help="prompts per bucket")
     p.add_argument("--decision-rounds", type=int, default=2, help="runs of each mode, alternating; the best counts")
-    p.add_argument("--slow-tier-ms", type=float, default=None,
-                   help="delay per block read of the simulated slow tier (default: twice a block's recompute)")
+    p.add_argument("--slow-tier-ms", default=None,
+                   help="delays per block read of simulated slow tiers, comma-separated (default: 1.4 and 2 times "
+                        "the engine's cost of recomputing a block)")
     p.add_argument("--plot-out", default=None, help="PNG of TTFT p50 by tier (working set)")
     p.add_argument("--json-out", default=None)
     add_engine_args(p)
@@ -226,9 +229,12 @@ def _decision(args: argparse.Namespace, vocab: int, workdir: Path) -> dict[str, 
     offload.flush()
     block_s = offload.decide.recompute_seconds(0) or 0.0
     offload.close()
-    delay_s = args.slow_tier_ms / 1000 if args.slow_tier_ms is not None else 2 * block_s
-    results: dict[str, Any] = {"block_recompute_ms": 1000 * block_s, "slow_tier_delay_ms": 1000 * delay_s}
-    for tier, delay in (("disk", 0.0), ("slow", delay_s)):
+    if args.slow_tier_ms:
+        delays = [float(ms) / 1000 for ms in args.slow_tier_ms.split(",")]
+    else:
+        delays = [round(f * block_s, 4) for f in SLOW_TIER_FACTORS]
+    results: dict[str, Any] = {"block_recompute_ms": 1000 * block_s}
+    for tier, delay in [("disk", 0.0), *((f"slow-{1000 * d:g}ms", d) for d in delays)]:
         by_mode: dict[str, dict[int, float]] = {}
         restored: dict[str, int] = {}
         for round_ in range(args.decision_rounds):  # modes alternate; each keeps its best round (order noise)

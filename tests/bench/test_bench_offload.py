@@ -24,7 +24,7 @@ def test_every_scenario_reports_its_comparison(tiny_checkpoint, tmp_path):
     assert set(r["no_reuse"]) == {"none", "host", "disk"} and plot.stat().st_size > 1000
     # A tier 50 ms a block is slower than recomputing anything on the tiny model: once measured (the first
     # warm-up restore), auto stops reading it; forced load reads every block, forced recompute none.
-    slow = r["decision"]["slow"]
+    slow = r["decision"]["slow-50ms"]
     assert set(slow["ttft_p50_ms"]) == {"auto", "load", "recompute"} and set(slow["ttft_p50_ms"]["auto"]) == {"16", "64"}
     assert slow["restored_blocks"]["recompute"] == 0
     assert 0 < slow["restored_blocks"]["auto"] < slow["restored_blocks"]["load"]
