@@ -157,9 +157,11 @@ class LLMEngine:
         return offload
 
     def _seconds_per_token(self) -> float | None:
-        """Mean wall time per token of the steps so far (None before the first)."""
+        """Mean wall time per token of the steps so far, restores from the offload tiers left out (None before
+        the first step)."""
         tokens = self.stats["prompt_tokens"] + self.stats["generation_tokens"]
-        return self.stats["step_seconds"] / tokens if tokens else None
+        restoring = self.offload.seconds_restoring if self.offload is not None else 0.0
+        return (self.stats["step_seconds"] - restoring) / tokens if tokens else None
 
     def _block_pools(self, num_blocks: int, window_blocks: int) -> BlockManager:
         cfg, groups = self.cfg, self.kv_groups
@@ -286,6 +288,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        restoring_before = self.offload.seconds_restoring if self.offload is not None else 0.0
         outputs, self._pending = self._pending, []
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # drafts in req.spec_token_ids, budgeted by schedule()
@@ -327,9 +330,12 @@ class LLMEngine:
                 outputs.append(self._output(tracked))
             for req, rows in verifying:
                 outputs.append(self._verify(req, rows, now))
-        # The whole step, as a running stream waits for it: drafting, scheduling, the forward pass, sampling.
+        # The whole step, as a running stream waits for it: drafting, scheduling, the forward pass, sampling;
+        # the cost model leaves out restoring blocks from the offload tiers: it is what their loads are weighed
+        # against (a 2,000-token restore in a 16-token step taught it that tokens cost next to nothing).
         seconds = time.perf_counter() - started
-        self.scheduler.cost.observe(batch.shape, seconds)
+        restoring = self.offload.seconds_restoring - restoring_before if self.offload is not None else 0.0
+        self.scheduler.cost.observe(batch.shape, seconds - restoring)
         self.stats["step_seconds"] += seconds
         return outputs
 

@@ -62,6 +62,7 @@ class KVOffload:
         self.admit_after = admit_after
         self.seen: OrderedDict[bytes, int] = OrderedDict()  # block hash -> prompts that carried it
         self.not_admitted = 0  # blocks not written: too few prompts carried them
+        self.seconds_restoring = 0.0  # in restore() in all (the engine's step-cost model leaves it out)
         host = next((t for t in tiers if isinstance(t, HostTier)), None)
         # Exclusive: the disk is written from the host tier's evictions, not from the pool
         self.demote_to: list[DiskTier] = [t for t in tiers if isinstance(t, DiskTier)] if exclusive and host is not None else []
@@ -150,6 +151,13 @@ class KVOffload:
     def restore(self, req: Request) -> int:
         """Put the tiers' blocks of the request's prompt prefix back into the pool, as far as loading them is
         expected to beat recomputing them (decision.py); returns how many."""
+        started = time.perf_counter()
+        try:
+            return self._restore(req)
+        finally:
+            self.seconds_restoring += time.perf_counter() - started
+
+    def _restore(self, req: Request) -> int:
         blocks, bs = self.blocks, self.block_size
         if req.needs_prompt_logprobs or req.num_computed_tokens:
             return 0

@@ -175,3 +175,28 @@ def test_the_tiers_kv_events_replay_to_exactly_what_each_tier_holds(tiny_checkpo
     assert pool == set(eng.blocks.cached)
     credits = eng.offload.credits()
     assert set(credits) == {"host", "disk"} and all(0.0 <= c <= 1.0 for c in credits.values())
+
+
+def test_time_spent_restoring_is_not_taken_for_compute(tiny_checkpoint, tmp_path):
+    """The decision weighs a tier's loads against the engine's compute: a slow restore inside a step must not
+    make the engine look slow at computing (it would then never recompute)."""
+    import time
+
+    path = tiny_checkpoint("llama")
+    first = _disk_engine(path, tmp_path)
+    first.generate([TEXTS[1]], GREEDY)
+    first.engine.offload.flush()
+    again = _disk_engine(path, tmp_path)
+    disk = again.engine.offload.tiers[0]
+    read = disk.get
+
+    def slow_read(h, tokens):
+        time.sleep(0.05)
+        return read(h, tokens)
+
+    disk.get = slow_read
+    again.generate([TEXTS[1]], GREEDY)
+    restored = again.engine.offload.restored_blocks
+    assert restored > 0 and again.engine.offload.seconds_restoring >= 0.05 * restored
+    tokens = again.engine.stats["prompt_tokens"] + again.engine.stats["generation_tokens"]
+    assert again.engine._seconds_per_token() < 0.05 * restored / tokens / 2
