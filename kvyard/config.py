@@ -62,6 +62,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse KV of prompt prefixes seen before
     # KV offload (kvyard/offload/): bytes of host memory for prefix-cache blocks the pool evicts; 0 = off
     kv_offload_host_memory: int | str = 0
+    # Where the host tier's pool lives: auto, a shared-memory file ($KVYARD_SHM_DIR or /dev/shm, named by the
+    # model and KV layout) that a restarted worker finds again, where there is room and no other worker holds it;
+    # a file path; or off (private memory)
+    kv_offload_host_segment: str = "auto"
     kv_offload_disk: str | None = None  # a directory for KV blocks on local disk, kept across restarts
     kv_offload_disk_capacity: int | str = "8GiB"
     kv_offload_redis: str | None = None  # redis://host:port/db of a KV tier the replicas share

@@ -13,6 +13,13 @@ torch.set_num_threads(2)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
+@pytest.fixture(autouse=True)
+def _kv_segments_of_this_test(tmp_path_factory, monkeypatch):
+    """The host KV tier's shared-memory files (kv_offload_host_segment=auto) go to a directory of each test's own:
+    one test's blocks never show up in another, and /dev/shm keeps nothing."""
+    monkeypatch.setenv("KVYARD_SHM_DIR", str(tmp_path_factory.mktemp("shm")))
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """tiny_checkpoint(model_type, tie_word_embeddings=False) -> Path of a random HF checkpoint (cached)."""

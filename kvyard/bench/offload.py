@@ -65,7 +65,7 @@ def _tier_options(tier: str, workdir: Path, args: argparse.Namespace) -> dict[st
     if tier == "none":
         return {}
     if tier == "host":
-        return {"kv_offload_host_memory": "8GiB"}
+        return {"kv_offload_host_memory": "8GiB", "kv_offload_host_segment": "off"}  # each run starts empty
     if tier == "disk":
         return {"kv_offload_disk": str(workdir / "disk"), "kv_offload_disk_capacity": "16GiB"}
     if tier == "redis":

@@ -13,6 +13,8 @@ _HELP = {
     "device": "cpu or cuda",
     "kv_cache_memory": "KV cache budget: bytes, or with a unit such as 512MiB, 2GiB",
     "kv_offload_host_memory": "host memory for KV blocks evicted from the prefix cache (an offload tier), e.g. 4GiB; 0 = off",
+    "kv_offload_host_segment": "auto (the host KV tier in /dev/shm, found again by a restarted worker, where there is "
+                               "room and no other worker holds it), a file path, or off (private memory)",
     "kv_offload_disk": "a directory for KV blocks on local disk (an offload tier kept across restarts)",
     "kv_offload_disk_capacity": "the most bytes the disk KV tier keeps, e.g. 8GiB",
     "kv_offload_redis": "redis://HOST:PORT/DB of a KV offload tier shared by replicas (its budget: the server's maxmemory)",

@@ -3,6 +3,7 @@
 import itertools
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -137,7 +138,8 @@ class LLMEngine:
                                      cfg.quantization, cfg.kv_cache_dtype, HASH_FUNCTION, layout)
         tiers: list[Tier] = []
         if cfg.kv_offload_host_memory:
-            tiers.append(HostTier(int(cfg.kv_offload_host_memory), layout))
+            tiers.append(HostTier(int(cfg.kv_offload_host_memory), layout, segment_path=_segment_path(cfg, fingerprint),
+                                  fingerprint=fingerprint))
         if cfg.kv_offload_disk:
             if cfg.kv_offload_tiers == "inclusive" and cfg.kv_offload_disk_capacity <= cfg.kv_offload_host_memory:
                 raise ConfigError(f"with inclusive KV tiers the disk ({cfg.kv_offload_disk_capacity} bytes) must be "
@@ -494,6 +496,16 @@ class LLMEngine:
         finally:
             self.blocks.free(req)
         return logits if all_positions else logits[0]
+
+
+def _segment_path(cfg: EngineConfig, fingerprint: str) -> Path | None:
+    """The host tier's shared-memory file (kvyard/offload/host_segment.py), or None: private memory."""
+    where = cfg.kv_offload_host_segment
+    if where in ("", "off", "none"):
+        return None
+    if where == "auto":
+        return Path(os.environ.get("KVYARD_SHM_DIR", "/dev/shm")) / f"kvyard-kv-{fingerprint}"
+    return Path(where)
 
 
 def _size_of(path: Path) -> int:

@@ -10,11 +10,13 @@ An entry keeps the block's tokens, and a lookup compares them, so a hash collisi
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from kvyard.engine.kv_handoff import select_blocks
 from kvyard.offload.codec import BlockLayout
+from kvyard.offload.host_segment import HASH_BYTES, open_segment
 
 
 @dataclass
@@ -61,6 +63,8 @@ class HostTier:
     keep_evicted: bool = False  # store() returns what it evicts (exclusive tiers demote it to the next tier)
     stats: TierStats = field(default_factory=TierStats)
     on_change: OnChange | None = None
+    segment_path: Path | None = None  # a shared-memory file that outlives the worker (host_segment.py)
+    fingerprint: str = ""  # of the model and KV layout: a segment written for another is reset
 
     @property
     def medium(self) -> str:
@@ -73,11 +77,25 @@ class HostTier:
         self.block_bytes = block_nbytes(self.layout)
         self.block_size = self.layout[0][0][0][0]
         self.num_blocks = self.capacity_bytes // self.block_bytes
-        # torch.empty: the OS commits pages only as blocks are written, so an unused budget costs nothing
-        self.pool = [[torch.empty((self.num_blocks * shape[0], *shape[1:]), dtype=dtype) for shape, dtype in layer]
-                     for layer in self.layout]
         self.entries: OrderedDict[bytes, tuple[int, tuple[int, ...]]] = OrderedDict()  # hash -> (slot, tokens)
-        self.free = list(range(self.num_blocks))
+        self.segment = None
+        if self.segment_path is not None and self.num_blocks:
+            self.segment = open_segment(Path(self.segment_path), self.layout, self.num_blocks, self.fingerprint)
+        if self.segment is not None:
+            self.pool = self.segment.pool
+            for slot, h, tokens in self.segment.entries():
+                self.entries[h] = (slot, tokens)
+            self._tick = int(self.segment.used.max()) + 1
+        else:
+            # torch.empty: the OS commits pages only as blocks are written, so an unused budget costs nothing
+            self.pool = [[torch.empty((self.num_blocks * shape[0], *shape[1:]), dtype=dtype)
+                          for shape, dtype in layer] for layer in self.layout]
+        taken = {slot for slot, _ in self.entries.values()}
+        self.free = [s for s in range(self.num_blocks) if s not in taken]
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -125,11 +143,26 @@ class HostTier:
                           pushed if unstored is None else [[torch.cat(pair) for pair in zip(p, u, strict=True)]
                                                            for p, u in zip(pushed, unstored, strict=True)])
         if slots:
+            seg = self.segment
+            if seg is not None:  # invalid while their KV is being replaced: a crash leaves no false slot
+                seg.valid[slots] = 0
             _copy_blocks(src, rows, self.pool, slots, self.block_size)
+            if seg is not None:
+                self._persist(slots, [items[i] for i in rows])
             self.stats.stored += len(slots)
             if self.on_change is not None:
                 self.on_change(self.medium, [items[i][0] for i in rows], [h for h, _ in evicted])
         return out
+
+    def _persist(self, slots: list[int], items: list[tuple[bytes, tuple[int, ...]]]) -> None:
+        """Record the slots' hashes and tokens in the segment, then mark them valid."""
+        assert self.segment is not None
+        seg, idx = self.segment, torch.tensor(slots)
+        seg.hashes[idx] = torch.frombuffer(bytearray(b"".join(h for h, _ in items)), dtype=torch.uint8).view(-1, HASH_BYTES)
+        seg.tokens[idx] = torch.tensor([t for _, t in items], dtype=torch.int32)
+        seg.used[idx] = torch.arange(self._tick, self._tick + len(slots))  # in the order the entries are
+        self._tick += len(slots)
+        seg.valid[idx] = 1
 
     def has(self, h: bytes, tokens: tuple[int, ...]) -> bool:
         """Whether this block is here, with these tokens (a hash collision never serves another block's KV)."""
@@ -142,7 +175,11 @@ class HostTier:
             return None
         self.entries.move_to_end(h)
         self.stats.hits += 1
-        return self.entries[h][0]
+        slot = self.entries[h][0]
+        if self.segment is not None:
+            self.segment.used[slot] = self._tick
+            self._tick += 1
+        return slot
 
     def load(self, slots: list[int], dst: list[list[torch.Tensor]], blocks: list[int]) -> None:
         """Copy slots[i] into block blocks[i] of `dst` (the engine's caches, per layer and stored tensor)."""

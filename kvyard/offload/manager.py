@@ -283,5 +283,4 @@ class KVOffload:
 
     def close(self) -> None:
         for t in self.tiers:
-            if not isinstance(t, HostTier):
-                t.close()
+            t.close()

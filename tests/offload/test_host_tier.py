@@ -58,3 +58,26 @@ def test_blocks_a_full_store_has_no_room_for_are_handed_back_too():
     out = tier.store([(b"a", (1,)), (b"b", (2,)), (b"c", (3,))], _blocks([1.0, 2.0, 3.0]))
     assert list(tier.entries) == [b"a"] and out is not None and out.items == [(b"b", (2,)), (b"c", (3,))]
     assert torch.equal(out.tensors[0][0], torch.cat([torch.full((BS, 2, 8), v) for v in (2.0, 3.0)]))
+
+
+def test_a_tier_in_a_shared_memory_file_is_found_again_by_the_next_worker(tmp_path):
+    seg = tmp_path / "segment"
+    first = HostTier(capacity_bytes=3 * block_nbytes(LAYOUT), layout=LAYOUT, segment_path=seg, fingerprint="f")
+    assert first.segment is not None
+    first.store([(bytes([i]) * 32, (i, i, i, i)) for i in range(3)], _blocks([0.0, 1.0, 2.0]))
+    first.lookup(bytes([0]) * 32, (0, 0, 0, 0))  # 0 is now the most recently used; 1 the least
+    # While it is open, a second worker cannot take the file: it gets private memory.
+    busy = HostTier(capacity_bytes=3 * block_nbytes(LAYOUT), layout=LAYOUT, segment_path=seg, fingerprint="f")
+    assert busy.segment is None and len(busy) == 0
+    first.close()
+    again = HostTier(capacity_bytes=3 * block_nbytes(LAYOUT), layout=LAYOUT, segment_path=seg, fingerprint="f")
+    assert list(again.entries) == [bytes([i]) * 32 for i in (1, 2, 0)] and again.free == []
+    dst = [[torch.zeros(BS, 2, 8), torch.zeros(BS, 2, 8)] for _ in LAYOUT]
+    again.load([again.lookup(bytes([2]) * 32, (2, 2, 2, 2))], dst, [0])
+    assert all(torch.equal(k, torch.full((BS, 2, 8), 2.0)) and torch.equal(v, -k) for k, v in dst)
+    assert again.lookup(bytes([1]) * 32, (1, 1, 1, 9)) is None  # tokens are checked as ever
+    again.close()
+    # Another model or layout: the file is reset, never read.
+    other = HostTier(capacity_bytes=3 * block_nbytes(LAYOUT), layout=LAYOUT, segment_path=seg, fingerprint="g")
+    assert other.segment is not None and len(other) == 0
+    other.close()

@@ -200,3 +200,34 @@ def test_time_spent_restoring_is_not_taken_for_compute(tiny_checkpoint, tmp_path
     assert restored > 0 and again.engine.offload.seconds_restoring >= 0.05 * restored
     tokens = again.engine.stats["prompt_tokens"] + again.engine.stats["generation_tokens"]
     assert again.engine._seconds_per_token() < 0.05 * restored / tokens / 2
+
+
+def test_a_restarted_engine_finds_its_host_tier_in_shared_memory(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("llama")
+    ref = hf_reference(path)
+    segment = tmp_path / "kv-segment"
+
+    def engine() -> LLM:
+        return LLM(str(path), dtype="float32", block_size=BLOCK, kv_cache_memory=_pool_bytes(path, 24),
+                   kv_offload_host_memory="1MiB", kv_offload_write="through", kv_offload_host_segment=str(segment))
+
+    first = engine()
+    prompt = first.tokenizer(TEXTS[0]).input_ids
+    want = hf_greedy(ref, prompt, GREEDY.max_tokens)
+    assert first.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
+    assert first.engine.offload.tiers[0].segment is not None
+    first.engine.offload.close()  # the worker stops; its segment stays
+    again = engine()
+    assert again.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
+    assert again.engine.offload.restored == {"host": (len(prompt) - 1) // BLOCK}
+
+
+def test_auto_puts_the_host_tier_in_the_shared_memory_directory(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVYARD_SHM_DIR", str(tmp_path))
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", kv_offload_host_memory="1MiB")
+    host = llm.engine.offload.tiers[0]
+    assert host.segment is not None and host.segment.path.parent == tmp_path
+    assert host.segment.path.name.startswith("kvyard-kv-")
+    off = LLM(str(tiny_checkpoint("llama")), dtype="float32", kv_offload_host_memory="1MiB",
+              kv_offload_host_segment="off")
+    assert off.engine.offload.tiers[0].segment is None
