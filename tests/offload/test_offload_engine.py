@@ -231,3 +231,24 @@ def test_auto_puts_the_host_tier_in_the_shared_memory_directory(tiny_checkpoint,
     off = LLM(str(tiny_checkpoint("llama")), dtype="float32", kv_offload_host_memory="1MiB",
               kv_offload_host_segment="off")
     assert off.engine.offload.tiers[0].segment is None
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_under_preemption_the_tiers_change_no_token(tiny_checkpoint, tmp_path, tier):
+    path = tiny_checkpoint("llama")
+    system = "Paged attention keeps the KV cache in fixed-size blocks. "
+    prompts = [system + f"Variant {i}: item {i * 7}." for i in range(6)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    tiers = {"host": {"kv_offload_host_memory": "4MiB"}, "disk": {"kv_offload_disk": str(tmp_path)}}[tier]
+    runs = []
+    for options in ({}, tiers):
+        # 16 blocks of 4 tokens: far less than six prompts need, so blocks are evicted and requests preempted
+        llm = LLM(str(path), dtype="float32", block_size=BLOCK, kv_cache_memory=_pool_bytes(path, 16),
+                  max_num_batched_tokens=32, **options)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts + prompts[::-1], params)])
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert runs[0] == runs[1]
+    offload = llm.engine.offload
+    assert offload.tiers[0].stats.stored > 0
+    if tier == "host":  # (the disk's writes are asynchronous: how many land before they are asked for varies)
+        assert offload.restored_blocks > 0
