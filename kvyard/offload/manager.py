@@ -32,7 +32,7 @@ from kvyard.engine.request import Request
 from kvyard.models.kv_layer import LayerKV
 from kvyard.offload.decision import LoadOrRecompute, TierRate
 from kvyard.offload.disk_tier import DiskTier
-from kvyard.offload.host_tier import Evicted, HostTier, TierBlock
+from kvyard.offload.host_tier import Evicted, HostTier, TierBlock, block_nbytes
 from kvyard.offload.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,8 @@ class KVOffload:
         self.blocks = blocks
         self.block_size = block_size
         self.restored = {t.name: 0 for t in tiers}  # blocks put back into the pool, by the tier they came from
+        self.load_seconds = {t.name: 0.0 for t in tiers}  # spent reading and copying them back
+        self.block_bytes = block_nbytes(tiers[0].layout) if tiers else 0  # KV bytes of one block, moved either way
         self._queued: list[tuple[int, bytes, tuple[int, ...]]] = []  # (block id, hash, tokens) to write
         self.admit_after = admit_after
         self.seen: OrderedDict[bytes, int] = OrderedDict()  # block hash -> prompts that carried it
@@ -219,8 +221,9 @@ class KVOffload:
                              for layer in range(len(self.caches))]
                 scatter_blocks(self.caches, ids, bs, per_layer)
             self.restored[tier.name] += len(ids)
-            self.decide.rates.setdefault(tier.name, TierRate()).observe(
-                seconds[tier.name] + time.perf_counter() - started, len(ids))
+            took = seconds[tier.name] + time.perf_counter() - started
+            self.load_seconds[tier.name] += took
+            self.decide.rates.setdefault(tier.name, TierRate()).observe(took, len(ids))
         self._store(evicted)
         if fill:
             blocks.release([b for b, _ in fill])
@@ -263,15 +266,19 @@ class KVOffload:
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        """Per tier: blocks restored, stored and evicted, bytes held, and each kind of fallback (kvyard_kv_offload_*)."""
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """Per tier: blocks restored, stored and evicted, bytes held and moved, seconds spent loading, and each
+        kind of fallback (kvyard_kv_offload_*)."""
         out = {}
         for t in self.tiers:
             st = t.stats
             fallbacks = {k: getattr(st, k) for k in ("missing", "corrupt", "dropped", "write_errors", "unreachable")
                          if hasattr(st, k)}
             out[t.name] = {"restored": self.restored[t.name], "stored": st.stored, "evicted": st.evicted,
-                           "bytes": t.used_bytes, **{"fallback_" + k: v for k, v in fallbacks.items()}}
+                           "bytes": t.used_bytes, "load_seconds": self.load_seconds[t.name],
+                           "bytes_loaded": self.restored[t.name] * self.block_bytes,
+                           "bytes_stored": st.stored * self.block_bytes,
+                           **{"fallback_" + k: v for k, v in fallbacks.items()}}
         return out
 
     def flush(self) -> None:

@@ -93,7 +93,7 @@ class EngineStats:
     moe_expert_tokens: tuple[int, ...] = ()
     moe_imbalance: float = 0.0
     # KV offload (kvyard/offload/manager.py KVOffload.snapshot): per tier, its counters
-    offload: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    offload: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     # blocks the tiers held that were loaded, or recomputed as cheaper; the prefill time loading saved (estimated)
     offload_loaded: int = 0
     offload_recomputed: int = 0

@@ -82,7 +82,14 @@ def _offload_metrics(s: EngineStats) -> Iterator[Metric]:
     fallbacks = CounterMetricFamily("kvyard_kv_offload_fallbacks", "Tier entries that could not serve or be written "
                                     "(missing, corrupt, dropped, write_errors): their requests recompute",
                                     labels=["tier", "reason"])
+    moved = CounterMetricFamily("kvyard_kv_offload_moved_bytes", "KV bytes moved between the pool and a tier",
+                                labels=["tier", "direction"])
+    load_time = CounterMetricFamily("kvyard_kv_offload_load_seconds", "Time spent reading blocks back from a tier "
+                                    "into the pool", labels=["tier"])
     for tier, c in s.offload.items():
+        moved.add_metric([tier, "load"], c["bytes_loaded"])
+        moved.add_metric([tier, "store"], c["bytes_stored"])
+        load_time.add_metric([tier], c["load_seconds"])
         hits.add_metric([tier], c["restored"] * s.block_size)
         stored.add_metric([tier], c["stored"])
         evicted.add_metric([tier], c["evicted"])
@@ -100,7 +107,7 @@ def _offload_metrics(s: EngineStats) -> Iterator[Metric]:
     not_admitted = CounterMetricFamily("kvyard_kv_offload_not_admitted_blocks", "Blocks not written to the tiers: "
                                        "fewer prompts than --kv-offload-admit-after carried them",
                                        value=s.offload_not_admitted)
-    yield from (hits, stored, evicted, size, fallbacks, decisions, saved, not_admitted)
+    yield from (hits, stored, evicted, size, moved, load_time, fallbacks, decisions, saved, not_admitted)
 
 
 class ServerMetrics:

@@ -15,7 +15,8 @@ def _offload(url: str) -> dict[str, float]:
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", trust_env=False).text):
         for sample in family.samples:
             if sample.name.startswith("kvyard_kv_offload") and sample.labels.get("tier", "host") == "host":
-                out[sample.name + "/" + sample.labels.get("reason", sample.labels.get("decision", ""))] = sample.value
+                label = sample.labels.get("reason", sample.labels.get("decision", sample.labels.get("direction", "")))
+                out[sample.name + "/" + label] = sample.value
     return out
 
 
@@ -37,5 +38,9 @@ def test_tier_hits_reach_the_metrics(tiny_path):
             m = _offload(server.url)
             assert m["kvyard_kv_offload_stored_blocks_total/"] >= 7 and m["kvyard_kv_offload_bytes/"] > 0
             assert m["kvyard_kv_offload_decisions_total/load"] == 7 and m["kvyard_kv_offload_decisions_total/recompute"] == 0
+            block = m["kvyard_kv_offload_moved_bytes_total/load"] / 7  # the 7 blocks' KV came back
+            assert block > 0 and m["kvyard_kv_offload_moved_bytes_total/store"] == block * m[
+                "kvyard_kv_offload_stored_blocks_total/"]
+            assert m["kvyard_kv_offload_load_seconds_total/"] > 0
     finally:
         engine.shutdown()
