@@ -89,6 +89,10 @@ class DiskTier:
         with self._lock:
             return h in self.index or h in self.writer.pending
 
+    def lacks(self, h: bytes) -> bool:
+        """Whether a write of this block is wanted."""
+        return h not in self
+
     def _path(self, h: bytes) -> Path:
         return self.dir / (h.hex() + SUFFIX)
 

@@ -103,6 +103,10 @@ class HostTier:
     def __contains__(self, h: bytes) -> bool:
         return h in self.entries
 
+    def lacks(self, h: bytes) -> bool:
+        """Whether a write of this block is wanted."""
+        return h not in self.entries
+
     @property
     def used_bytes(self) -> int:
         return len(self.entries) * self.block_bytes

@@ -107,7 +107,7 @@ class KVOffload:
     def _gather_queued(self) -> "Gathered | None":
         """The queued blocks (and the tiers that lack each), copied out of the pool, which may then reuse them."""
         queued, self._queued = self._queued, []
-        wanted = [(h, t, [tier for tier in self.write_to if h not in tier]) for _, h, t in queued]
+        wanted = [(h, t, [tier for tier in self.write_to if tier.lacks(h)]) for _, h, t in queued]
         keep = [i for i, w in enumerate(wanted) if w[2]]
         if not keep:
             return None

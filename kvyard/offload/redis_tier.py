@@ -90,6 +90,11 @@ class RedisTier:
             self._failed(e)
             return True
 
+    def lacks(self, h: bytes) -> bool:
+        """Whether a write of this block is wanted: asked without a round trip (the engine's thread calls it for
+        every block it writes); the writer asks Redis, and its SET NX leaves a block another replica wrote first."""
+        return self.available and h not in self.writer.pending
+
     def put(self, h: bytes, tokens: tuple[int, ...], tensors: list[list[torch.Tensor]]) -> bool:
         if not self.available:
             return False
@@ -100,8 +105,12 @@ class RedisTier:
     def _write(self, h: bytes, tokens: tuple[int, ...], tensors: list[list[torch.Tensor]]) -> None:
         if not self.available:
             return
+        key = self._key(h)
+        if self.client.exists(key):  # asked here, on the writer's thread, so that a block's bytes cross only once
+            return
         data = encode_block(tokens, tensors)
-        self.client.set(self._key(h), data, ex=self.ttl_s)
+        if not self.client.set(key, data, ex=self.ttl_s, nx=True):
+            return  # another replica wrote it meanwhile
         self.stats.stored += 1
         self.used_bytes += len(data)
         if self.on_change is not None:

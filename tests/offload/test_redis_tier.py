@@ -36,3 +36,16 @@ def test_a_stopped_server_is_skipped_fast_and_counted(redis_server):
     assert time.monotonic() - started < 2.0 and tier.stats.unreachable == 1 and not tier.available
     assert tier.get(b"\x01" * 32, (1,) * 4) is None and tier.stats.unreachable == 1  # skipped, not retried
     assert not tier.put(b"\x02" * 32, (2,) * 4, _block(2))
+
+
+def test_the_engine_thread_asks_redis_nothing_to_write_and_a_block_is_written_once(redis_server):
+    a, b = RedisTier(redis_server.url, LAYOUT, "f1"), RedisTier(redis_server.url, LAYOUT, "f1")
+    h = b"\x09" * 32
+    a.client = b.client = None  # any call from here on the caller's thread would fail
+    assert a.lacks(h)  # no round trip: the writer thread asks
+    a.client = b.client = redis.Redis.from_url(redis_server.url)
+    a.put(h, (9,) * 4, _block(9))
+    a.flush()
+    b.put(h, (9,) * 4, _block(9))  # another replica writes the same block: already there, not written again
+    b.flush()
+    assert a.stats.stored == 1 and b.stats.stored == 0
