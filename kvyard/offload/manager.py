@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 Tier = HostTier | DiskTier | RedisTier
 ByteTier = DiskTier | RedisTier
-WRITE_POLICIES = ("back", "through")
 # Where a block to restore is: a slot of the host tier, or a block read from a tier of bytes
 Found = tuple[HostTier, int] | tuple[ByteTier, TierBlock]
 # Blocks copied out of the pool for the tiers: per block (hash, tokens, tiers that lack it), and their KV
@@ -67,7 +66,8 @@ class KVOffload:
         self.seconds_restoring = 0.0  # in restore() in all (the engine's step-cost model leaves it out)
         host = next((t for t in tiers if isinstance(t, HostTier)), None)
         # Exclusive: the disk is written from the host tier's evictions, not from the pool
-        self.demote_to: list[DiskTier] = [t for t in tiers if isinstance(t, DiskTier)] if exclusive and host is not None else []
+        exclusive = exclusive and host is not None
+        self.demote_to: list[DiskTier] = [t for t in tiers if isinstance(t, DiskTier)] if exclusive else []
         if host is not None and self.demote_to:
             host.keep_evicted = True
         self.write_to = [t for t in tiers if not any(t is d for d in self.demote_to)]
@@ -131,7 +131,7 @@ class KVOffload:
         """Exclusive tiers: what the host tier evicted goes down to the disk."""
         for tier in self.demote_to:
             for i, (h, tokens) in enumerate(evicted.items):
-                if h not in tier:
+                if tier.lacks(h):
                     tier.put(h, tokens, select_blocks(evicted.tensors, [i], self.block_size))
 
     # ---- restoring -----------------------------------------------------------------------------------

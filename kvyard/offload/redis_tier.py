@@ -80,15 +80,14 @@ class RedisTier:
         self._down_until = time.monotonic() + RETRY_AFTER_S
 
     def __contains__(self, h: bytes) -> bool:
-        if h in self.writer.pending:
-            return True
+        """Whether the block can be read now (writes ask `lacks`): not while Redis is skipped or unreachable."""
         if not self.available:
-            return True  # nothing to gain from writing now: report it present so that no write is queued
+            return False
         try:
             return bool(self.client.exists(self._key(h)))
         except redis.RedisError as e:
             self._failed(e)
-            return True
+            return False
 
     def lacks(self, h: bytes) -> bool:
         """Whether a write of this block is wanted: asked without a round trip (the engine's thread calls it for
