@@ -77,6 +77,9 @@ class EngineConfig:
     # only when the host tier evicts it, so the two capacities add up
     kv_offload_tiers: str = "inclusive"
     kv_offload_admit_after: int = 1  # write a block only once this many prompts carried it (1: every block)
+    # overlap: a request's blocks are read from the disk or Redis on a thread while the engine steps the other
+    # requests, and it waits; blocking: the engine waits for the reads (for comparison)
+    kv_offload_load: str = "overlap"
     max_model_len: int | None = None  # default: the model's context window
     num_threads: int | None = None  # CPU threads for torch; default: all cores
     # Quantize linear weights while loading (int8, int4-g128, ...), or `gguf`: keep a GGUF file's
@@ -109,6 +112,9 @@ class EngineConfig:
         if self.kv_offload_admit_after < 1:
             raise InvalidRequestError(f"kv_offload_admit_after must be at least 1, got {self.kv_offload_admit_after}",
                                       param="kv_offload_admit_after")
+        if self.kv_offload_load not in ("overlap", "blocking"):
+            raise InvalidRequestError(f"kv_offload_load must be overlap or blocking, got {self.kv_offload_load!r}",
+                                      param="kv_offload_load")
         if self.kv_offload_write not in ("back", "through"):
             raise InvalidRequestError(f"kv_offload_write must be back or through, got {self.kv_offload_write!r}",
                                       param="kv_offload_write")

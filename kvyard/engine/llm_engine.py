@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+READ_WAIT_S = 0.005  # an idle step's longest wait for the offload tiers' reads (then it looks at new requests)
+
 
 @dataclass
 class _Tracked:
@@ -154,8 +156,9 @@ class LLMEngine:
         decide = LoadOrRecompute(self.scheduler.cost, bs, cfg.kv_offload_decision,
                                  seconds_per_token=self._seconds_per_token)
         offload = KVOffload(tiers, caches, self.blocks, cfg.block_size, decide, cfg.kv_offload_write,
-                            cfg.kv_offload_admit_after, cfg.kv_offload_tiers == "exclusive")
-        self.scheduler.restore = offload.restore
+                            cfg.kv_offload_admit_after, cfg.kv_offload_tiers == "exclusive",
+                            overlap=cfg.kv_offload_load == "overlap")
+        self.scheduler.restorer = offload
         return offload
 
     def _seconds_per_token(self) -> float | None:
@@ -299,6 +302,8 @@ class LLMEngine:
         if self.offload is not None:  # blocks evicted while scheduling, out before the forward pass reuses them
             self.offload.write_queued()
         if not batch.requests:
+            if self.offload is not None:  # nothing runs: wait for a waiting request's blocks, not in a busy loop
+                self.offload.wait_for_reads(READ_WAIT_S)
             return outputs
         try:
             with record_function("kvyard.prepare"):

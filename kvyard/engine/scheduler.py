@@ -11,8 +11,8 @@ keep moving however many decodes run.
 """
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvyard.config import EngineConfig
 from kvyard.engine.block_manager import BlockManager
@@ -22,6 +22,16 @@ from kvyard.engine.step_cost import StepCostModel, StepShape
 # With no target set, prefill may at most double the time of a step that decodes a full batch
 # (max_num_seqs requests at the running ones' mean context): the measured cost model sets the target.
 AUTO_TARGET_OVER_FULL_DECODE = 2.0
+
+
+class Restorer(Protocol):
+    """Puts a waiting request's prompt blocks back into the pool from a tier below it (kvyard/offload/)."""
+
+    def restore(self, req: Request) -> bool:
+        """False while the blocks are still on their way: the request waits, and is asked about again."""
+        ...
+
+    def forget(self, req: Request) -> None: ...
 
 
 @dataclass
@@ -51,7 +61,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.cost = StepCostModel()  # the engine reports each step's time to it
         self.num_limited_chunks = 0  # prompt chunks the inter-token target shortened
-        self.restore: Callable[[Request], int] | None = None
+        self.restorer: Restorer | None = None  # the offload tiers (kvyard/offload/), when on
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -62,6 +72,8 @@ class Scheduler:
     def finish(self, req: Request, reason: str) -> None:
         req.status = Status.FINISHED
         req.finish_reason = reason
+        if self.restorer is not None:
+            self.restorer.forget(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -102,10 +114,12 @@ class Scheduler:
             i += 1
         if batch.preempted:
             return batch  # memory is tight: do not admit new work this step
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
-            if self.restore is not None:
-                self.restore(req)  # blocks of its prompt from a tier below the pool (kvyard/offload/)
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[i]
+            if self.restorer is not None and not self.restorer.restore(req):
+                i += 1  # its prefix is still being read from an offload tier: the requests behind it go first
+                continue
             hits = self.blocks.match_prefix(req)  # the prompt's leading blocks already in the cache
             start = len(hits) * self.blocks.block_size
             n = req.num_tokens - start
@@ -116,7 +130,7 @@ class Scheduler:
             n = self._prompt_chunk(start, n, limit, planned, decodes)
             if n == 0 or not self.blocks.can_fit(req, start + n, hits):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.blocks.admit(req, start + n, hits)
             req.num_computed_tokens = start
             req.status = Status.RUNNING

@@ -13,14 +13,18 @@
   intact until the next forward pass, so `write_queued` copies all the step's blocks in one gather just before
   it (and before a restore writes into the pool): a row copy per layer, not per block.
 - Restore: before a request is admitted, the blocks of its prompt that follow the pool's own cached prefix and
-  are in a tier, as far as loading them beats recomputing them (decision.py), go back into the pool's prefix cache (`BlockManager.adopt`), so the scheduler hits them like
-  any cached prefix and the request computes only what neither holds. The pool's KV events report them as
-  stored, so a cache-aware router sees them too.
+  are in a tier, as far as loading them beats recomputing them (decision.py), go back into the pool's prefix
+  cache (`BlockManager.adopt`), so the scheduler hits them like any cached prefix and the request computes only
+  what neither holds. The pool's KV events report them as stored, so a cache-aware router sees them too.
+- Loads overlap compute: the disk's and Redis's reads run on a reader thread (reader.py) while the request
+  waits and the engine steps the others; it is admitted at the first step after they finish.
 """
 
+import concurrent.futures
 import logging
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +37,7 @@ from kvyard.models.kv_layer import LayerKV
 from kvyard.offload.decision import LoadOrRecompute, TierRate
 from kvyard.offload.disk_tier import DiskTier
 from kvyard.offload.host_tier import Evicted, HostTier, TierBlock, block_nbytes
+from kvyard.offload.reader import BlockReader, ReadResult
 from kvyard.offload.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
@@ -48,9 +53,27 @@ DEFAULT_CREDITS = {"host": 0.75, "disk": 0.25, "redis": 0.25}
 SEEN_LIMIT = 1 << 16  # block hashes whose uses admission by reuse remembers (least recently seen out first)
 
 
+@dataclass
+class PendingRestore:
+    """A request's restore, planned: per leading block of its prompt, the tier to load it from (None: the pool
+    holds it), and the reads of tiers of bytes in flight on the reader thread, by block index."""
+    hashes: list[bytes]
+    where: list["Tier | None"]
+    reads: dict[int, "concurrent.futures.Future[ReadResult]"]
+
+
+def _result(future: "concurrent.futures.Future[ReadResult]") -> ReadResult:
+    try:
+        return future.result()
+    except Exception:  # a tier's read counts its own faults; anything else is a bug, and still only a miss
+        log.exception("reading a KV block from a tier failed; its request recomputes it")
+        return ReadResult(None, 0.0)
+
+
 class KVOffload:
     def __init__(self, tiers: list[Tier], caches: list[LayerKV], blocks: BlockManager, block_size: int,
-                 decide: LoadOrRecompute, write: str = "back", admit_after: int = 1, exclusive: bool = False):
+                 decide: LoadOrRecompute, write: str = "back", admit_after: int = 1, exclusive: bool = False,
+                 overlap: bool = True):
         self.tiers = tiers
         self.decide = decide
         self.caches = caches
@@ -64,6 +87,11 @@ class KVOffload:
         self.seen: OrderedDict[bytes, int] = OrderedDict()  # block hash -> prompts that carried it
         self.not_admitted = 0  # blocks not written: too few prompts carried them
         self.seconds_restoring = 0.0  # in restore() in all (the engine's step-cost model leaves it out)
+        # overlap: the disk's and Redis's reads run on a thread while the engine steps other requests; else the
+        # engine waits for them (host-tier loads are memory copies, always done at once)
+        overlap = overlap and any(not isinstance(t, HostTier) for t in tiers)
+        self.reader = BlockReader() if overlap else None
+        self.pending: dict[str, PendingRestore] = {}  # request id -> its restore, waiting on reads
         host = next((t for t in tiers if isinstance(t, HostTier)), None)
         # Exclusive: the disk is written from the host tier's evictions, not from the pool
         exclusive = exclusive and host is not None
@@ -150,19 +178,37 @@ class KVOffload:
         entry = tier.get(h, tokens)
         return None if entry is None else (tier, entry)
 
-    def restore(self, req: Request) -> int:
+    def restore(self, req: Request) -> bool:
         """Put the tiers' blocks of the request's prompt prefix back into the pool, as far as loading them is
-        expected to beat recomputing them (decision.py); returns how many."""
+        expected to beat recomputing them (decision.py). False while some are still being read from a tier of
+        bytes on the reader thread: the scheduler lets the request wait and asks again at its next step."""
         started = time.perf_counter()
         try:
-            return self._restore(req)
+            plan = self.pending.pop(req.request_id, None) or self._plan(req)
+            if plan is None:
+                return True
+            if not all(f.done() for f in plan.reads.values()):
+                self.pending[req.request_id] = plan
+                return False
+            self._restore(req, plan)
+            return True
         finally:
             self.seconds_restoring += time.perf_counter() - started
 
-    def _restore(self, req: Request) -> int:
+    def forget(self, req: Request) -> None:
+        """The request finished (or was aborted) while its blocks were being read: drop its plan."""
+        self.pending.pop(req.request_id, None)
+
+    def wait_for_reads(self, timeout: float) -> None:
+        """The engine has nothing to step but requests waiting on reads: sleep until one finishes."""
+        if self.reader is not None and self.pending:
+            self.reader.wait(timeout)
+
+    def _plan(self, req: Request) -> "PendingRestore | None":
+        """Which leading blocks of the prompt to restore, and from where; starts the reads of tiers of bytes."""
         blocks, bs = self.blocks, self.block_size
         if req.needs_prompt_logprobs or req.num_computed_tokens:
-            return 0
+            return None
         hashes = blocks.prompt_hashes(req)
         self._count_uses(hashes)
         where: list[Tier | None] = []  # per leading block: the tier that has it; None: the pool has it
@@ -178,17 +224,35 @@ class KVOffload:
         while where and where[-1] is None:
             where.pop()  # what the pool holds after the tiers' last block needs no restoring
         if not any(w is not None for w in where):
-            return 0
+            return None
         where = where[: self.decide.blocks_to_load([None if w is None else w.name for w in where])]
+        reads = {}
+        if self.reader is not None:
+            for i, tier in enumerate(where):
+                if tier is not None and not isinstance(tier, HostTier):
+                    reads[i] = self.reader.read(tier.name, tier.get, hashes[i],
+                                                tuple(req.token_ids[i * bs : (i + 1) * bs]))
+        return PendingRestore(hashes, where, reads)
+
+    def _restore(self, req: Request, plan: "PendingRestore") -> int:
+        """Put the planned blocks into the pool: host slots are looked up only now (a slot found while reads
+        were in flight may have been reused since); returns how many blocks were restored."""
+        blocks, bs, hashes = self.blocks, self.block_size, plan.hashes
         seconds = {t.name: 0.0 for t in self.tiers}
         found: list[Found | None] = []
-        for i, tier in enumerate(where):
+        for i, tier in enumerate(plan.where):
             if tier is None:
                 found.append(None)
                 continue
-            started = time.perf_counter()
-            hit = self._read(tier, hashes[i], tuple(req.token_ids[i * bs : (i + 1) * bs]))
-            seconds[tier.name] += time.perf_counter() - started
+            hit: Found | None
+            if i in plan.reads:
+                result = _result(plan.reads[i])
+                seconds[tier.name] += result.seconds
+                hit = None if result.entry is None else (tier, result.entry)  # type: ignore[assignment]
+            else:
+                started = time.perf_counter()
+                hit = self._read(tier, hashes[i], tuple(req.token_ids[i * bs : (i + 1) * bs]))
+                seconds[tier.name] += time.perf_counter() - started
             if hit is None:  # damaged or gone since we asked: the chain stops here, the rest is recomputed
                 break
             found.append(hit)
@@ -289,5 +353,7 @@ class KVOffload:
                 t.flush()
 
     def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
         for t in self.tiers:
             t.close()

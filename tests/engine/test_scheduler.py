@@ -83,3 +83,39 @@ def test_finish_returns_blocks():
 def test_token_budget_defaults_to_the_online_one():
     assert make().token_budget == ONLINE_TOKEN_BUDGET
     assert make(max_num_batched_tokens=10).token_budget == 10
+
+
+class Loading:
+    """A restorer whose reads for some requests are still in flight."""
+
+    def __init__(self, loading: set[str]):
+        self.loading = loading
+        self.forgotten: list[str] = []
+
+    def restore(self, req: Request) -> bool:
+        return req.request_id not in self.loading
+
+    def forget(self, req: Request) -> None:
+        self.forgotten.append(req.request_id)
+
+
+def test_a_request_waiting_on_its_blocks_lets_the_ones_behind_it_run():
+    s = make()
+    s.restorer = Loading({"a"})
+    a, b = request("a", 6), request("b", 6)
+    s.add(a)
+    s.add(b)
+    assert run_step(s).requests == [b] and list(s.waiting) == [a]
+    assert run_step(s).requests == [b]  # still loading: b decodes on
+    s.restorer.loading.clear()
+    assert run_step(s).requests == [b, a] and not s.waiting  # its blocks arrived: admitted at the next step
+
+
+def test_finishing_a_request_drops_its_pending_restore():
+    s = make()
+    s.restorer = Loading({"a"})
+    a = request("a", 6)
+    s.add(a)
+    run_step(s)
+    s.finish(a, "abort")
+    assert s.restorer.forgotten == ["a"] and not s.has_work()

@@ -53,9 +53,9 @@ def test_offload_needs_the_prefix_cache(tiny_checkpoint):
             kv_offload_host_memory="1MiB")
 
 
-def _disk_engine(path, disk) -> LLM:
+def _disk_engine(path, disk, **options) -> LLM:
     return LLM(str(path), dtype="float32", block_size=BLOCK, kv_cache_memory=_pool_bytes(path, 24),
-               kv_offload_disk=str(disk), kv_offload_write="through")
+               kv_offload_disk=str(disk), kv_offload_write="through", **options)
 
 
 def test_a_restarted_engine_finds_its_blocks_on_disk_and_damage_only_costs_a_recompute(tiny_checkpoint, tmp_path):
@@ -79,7 +79,8 @@ def test_a_restarted_engine_finds_its_blocks_on_disk_and_damage_only_costs_a_rec
     damaged = _disk_engine(path, tmp_path)
     assert damaged.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
     disk = damaged.engine.offload.tiers[0]
-    assert damaged.engine.offload.restored_blocks == 0 and disk.stats.corrupt == 1  # the chain stops at the first
+    # Nothing after the first damaged block is restored; the reads already under way count what they found
+    assert damaged.engine.offload.restored_blocks == 0 and 1 <= disk.stats.corrupt <= usable
 
 
 def _redis_engine(path, url) -> LLM:
@@ -177,16 +178,18 @@ def test_the_tiers_kv_events_replay_to_exactly_what_each_tier_holds(tiny_checkpo
     assert set(credits) == {"host", "disk"} and all(0.0 <= c <= 1.0 for c in credits.values())
 
 
-def test_time_spent_restoring_is_not_taken_for_compute(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("load", ["blocking", "overlap"])
+def test_time_spent_restoring_is_not_taken_for_compute(tiny_checkpoint, tmp_path, load):
     """The decision weighs a tier's loads against the engine's compute: a slow restore inside a step must not
-    make the engine look slow at computing (it would then never recompute)."""
+    make the engine look slow at computing (it would then never recompute). Overlapped, the engine thread does
+    not wait for the reads at all."""
     import time
 
     path = tiny_checkpoint("llama")
     first = _disk_engine(path, tmp_path)
     first.generate([TEXTS[1]], GREEDY)
     first.engine.offload.flush()
-    again = _disk_engine(path, tmp_path)
+    again = _disk_engine(path, tmp_path, kv_offload_load=load)
     disk = again.engine.offload.tiers[0]
     read = disk.get
 
@@ -197,7 +200,11 @@ def test_time_spent_restoring_is_not_taken_for_compute(tiny_checkpoint, tmp_path
     disk.get = slow_read
     again.generate([TEXTS[1]], GREEDY)
     restored = again.engine.offload.restored_blocks
-    assert restored > 0 and again.engine.offload.seconds_restoring >= 0.05 * restored
+    assert restored > 0
+    if load == "blocking":
+        assert again.engine.offload.seconds_restoring >= 0.05 * restored
+    else:
+        assert again.engine.offload.seconds_restoring < 0.05 * restored / 2
     tokens = again.engine.stats["prompt_tokens"] + again.engine.stats["generation_tokens"]
     assert again.engine._seconds_per_token() < 0.05 * restored / tokens / 2
 
