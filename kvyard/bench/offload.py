@@ -11,6 +11,8 @@
   disk, and from simulated slow remote tiers (the disk with a fixed delay added to every block read, by default
   1.4 and 2 times the engine's own cost of recomputing a block), where loading loses to recomputing for short
   prompts (and at 2x for all).
+- overlap: streams decode while long prompts' blocks are loaded from the disk, with the loads on the reader
+  thread against the engine waiting for them (offload_overlap.py).
 """
 
 import argparse
@@ -30,12 +32,14 @@ from kvyard.loader.checkpoint import load_checkpoint
 from kvyard.loader.registry import resolve_model
 from kvyard.sampling_params import SamplingParams
 
-SCENARIOS = ("working-set", "restart", "no-reuse", "decision")
+SCENARIOS = ("working-set", "restart", "no-reuse", "decision", "overlap")
 DECISION_MODES = ("auto", "load", "recompute")
 SLOW_TIER_FACTORS = (1.4, 2.0)  # simulated slow tiers: seconds per block read, against recomputing a block
 
 
 def add_offload_bench_parser(sub: argparse._SubParsersAction) -> None:
+    from kvyard.bench.offload_overlap import add_overlap_args
+
     p = sub.add_parser("offload", help="KV offload tiers against none: working set, restart, no reuse")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--tiers", default="host,disk", help="tiers to compare with none: host, disk, redis")
@@ -55,6 +59,7 @@ def add_offload_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slow-tier-ms", default=None,
                    help="delays per block read of simulated slow tiers, comma-separated (default: 1.4 and 2 times "
                         "the engine's cost of recomputing a block)")
+    add_overlap_args(p)
     p.add_argument("--plot-out", default=None, help="PNG of TTFT p50 by tier (working set)")
     p.add_argument("--json-out", default=None)
     add_engine_args(p)
@@ -285,5 +290,9 @@ def run_offload_bench(args: argparse.Namespace) -> int:
             result["no_reuse"] = _no_reuse(args, tiers, per_token, model.vocab_size, workdir)
         if "decision" in scenarios:
             result["decision"] = _decision(args, model.vocab_size, workdir)
+        if "overlap" in scenarios:
+            from kvyard.bench.offload_overlap import run_overlap
+
+            result["overlap"] = run_overlap(args, model.vocab_size, workdir)
     emit_json(result, args.json_out)
     return 0

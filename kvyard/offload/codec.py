@@ -35,14 +35,22 @@ def decode_block(data: bytes, tokens: tuple[int, ...], layout: BlockLayout) -> l
     if tuple(np.frombuffer(body, dtype=np.int64, count=n).tolist()) != tokens:
         return None
     offset, out = 8 * n, []
+    buf = torch.frombuffer(bytearray(body), dtype=torch.uint8)  # one writable copy; the tensors are views of it
+    kinds = {kind for layer in layout for kind in layer}
+    if len(kinds) == 1 and len({len(layer) for layer in layout}) == 1:  # the usual layout: one view, then unbind
+        ((shape, dtype),) = kinds
+        per_layer = len(layout[0])
+        if len(body) - offset != len(layout) * per_layer * int(np.prod(shape)) * dtype.itemsize:
+            return None
+        grid = buf[offset:].view(dtype).view(len(layout), per_layer, *shape)
+        return [list(layer.unbind(0)) for layer in grid.unbind(0)]
     for layer in layout:
         tensors = []
         for shape, dtype in layer:
             size = int(np.prod(shape)) * dtype.itemsize
             if offset + size > len(body):
                 return None
-            raw = torch.frombuffer(bytearray(body[offset : offset + size]), dtype=torch.uint8)
-            tensors.append(raw.view(dtype).view(shape))
+            tensors.append(buf[offset : offset + size].view(dtype).view(shape))
             offset += size
         out.append(tensors)
     return out if offset == len(body) else None

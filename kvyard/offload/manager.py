@@ -60,6 +60,7 @@ class PendingRestore:
     hashes: list[bytes]
     where: list["Tier | None"]
     reads: dict[int, "concurrent.futures.Future[ReadResult]"]
+    planned_at: float  # time.perf_counter(): a tier's reads cost the request the wall time until the last one
 
 
 def _result(future: "concurrent.futures.Future[ReadResult]") -> ReadResult:
@@ -67,7 +68,7 @@ def _result(future: "concurrent.futures.Future[ReadResult]") -> ReadResult:
         return future.result()
     except Exception:  # a tier's read counts its own faults; anything else is a bug, and still only a miss
         log.exception("reading a KV block from a tier failed; its request recomputes it")
-        return ReadResult(None, 0.0)
+        return ReadResult(None, 0.0, time.perf_counter())
 
 
 class KVOffload:
@@ -226,13 +227,13 @@ class KVOffload:
         if not any(w is not None for w in where):
             return None
         where = where[: self.decide.blocks_to_load([None if w is None else w.name for w in where])]
-        reads = {}
+        reads, planned_at = {}, time.perf_counter()
         if self.reader is not None:
             for i, tier in enumerate(where):
                 if tier is not None and not isinstance(tier, HostTier):
                     reads[i] = self.reader.read(tier.name, tier.get, hashes[i],
                                                 tuple(req.token_ids[i * bs : (i + 1) * bs]))
-        return PendingRestore(hashes, where, reads)
+        return PendingRestore(hashes, where, reads, planned_at)
 
     def _restore(self, req: Request, plan: "PendingRestore") -> int:
         """Put the planned blocks into the pool: host slots are looked up only now (a slot found while reads
@@ -246,8 +247,8 @@ class KVOffload:
                 continue
             hit: Found | None
             if i in plan.reads:
-                result = _result(plan.reads[i])
-                seconds[tier.name] += result.seconds
+                result = _result(plan.reads[i])  # the reads ran side by side: the wait is the last one's end
+                seconds[tier.name] = max(seconds[tier.name], result.finished - plan.planned_at)
                 hit = None if result.entry is None else (tier, result.entry)  # type: ignore[assignment]
             else:
                 started = time.perf_counter()

@@ -1,6 +1,7 @@
 """Reads blocks from the tiers of bytes (disk, Redis) on a thread of their own, so the engine keeps stepping the
 running requests while a waiting request's prefix comes back (vLLM's "waiting for remote KVs", SGLang HiCache's
-prefetch). One thread: reads of one tier gain little from more, and the engine's forward pass wants the cores.
+prefetch). A few threads: a remote tier's reads wait mostly on the network, and the rest (file reads, the CRC)
+releases the GIL, so a prompt's blocks are read side by side.
 
 A block two waiting requests share is read once: the second request gets the first one's future.
 """
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 from kvyard.offload.host_tier import TierBlock
 
+READ_THREADS = 4
+
 Read = Callable[[bytes, tuple[int, ...]], TierBlock | None]
 
 
@@ -20,11 +23,12 @@ Read = Callable[[bytes, tuple[int, ...]], TierBlock | None]
 class ReadResult:
     entry: TierBlock | None  # None: missing or damaged (the tier counted it)
     seconds: float  # what reading and checking it took on the reader thread
+    finished: float  # when (time.perf_counter)
 
 
 class BlockReader:
     def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-read")
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="kv-read")
         self._lock = threading.Lock()
         self._reading: dict[tuple[str, bytes], concurrent.futures.Future[ReadResult]] = {}
 
@@ -43,7 +47,8 @@ class BlockReader:
         finally:
             with self._lock:  # done: a later request reads it again (or finds it in the pool by then)
                 self._reading.pop((tier, h), None)
-        return ReadResult(entry, time.perf_counter() - started)
+        finished = time.perf_counter()
+        return ReadResult(entry, finished - started, finished)
 
     @property
     def busy(self) -> bool:

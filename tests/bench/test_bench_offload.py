@@ -12,6 +12,7 @@ def test_every_scenario_reports_its_comparison(tiny_checkpoint, tmp_path):
                "--block-size", "4", "--conversations", "3", "--turns", "2", "--history-len", "40",
                "--user-len", "4", "--output-len", "4", "--pool-fraction", "0.5", "--restart-prompt-len", "60", "--no-reuse-requests", "6", "--no-reuse-prompt-len", "64",
                "--decision-buckets", "16,64", "--decision-prompts", "2", "--slow-tier-ms", "50",
+               "--overlap-streams", "2", "--overlap-loads", "2", "--overlap-prompt-len", "40", "--overlap-gap-ms", "30",
                "--tiers", "host,disk", "--json-out", str(out), "--plot-out", str(plot)])
     assert rc == 0
     r = json.loads(out.read_text())
@@ -28,3 +29,6 @@ def test_every_scenario_reports_its_comparison(tiny_checkpoint, tmp_path):
     assert set(slow["ttft_p50_ms"]) == {"auto", "load", "recompute"} and set(slow["ttft_p50_ms"]["auto"]) == {"16", "64"}
     assert slow["restored_blocks"]["recompute"] == 0
     assert 0 < slow["restored_blocks"]["auto"] < slow["restored_blocks"]["load"]
+    for name in ("disk", next(k for k in r["overlap"] if k.startswith("disk+"))):
+        runs = r["overlap"][name]
+        assert all(runs[mode]["restored_blocks"] > 0 and runs[mode]["itl_p99_ms"] > 0 for mode in ("blocking", "overlap"))
