@@ -219,21 +219,27 @@ def _decision_run(args: argparse.Namespace, mode: str, disk: dict[str, Any], del
     return ttft, offload.restored_blocks
 
 
-def _decision(args: argparse.Namespace, vocab: int, workdir: Path) -> dict[str, Any]:
-    rng = random.Random(3)
-    buckets = [int(n) for n in args.decision_buckets.split(",")]
-    prompts = {n: [_tokens(rng, n, vocab) for _ in range(args.decision_prompts)] for n in buckets}
-    warm = [_tokens(rng, n, vocab) for n in buckets]  # fit the step-cost model, measure the tier
-    disk = {"kv_offload_disk": str(workdir / "decision"), "kv_offload_disk_capacity": "16GiB",
-            "kv_offload_write": "through"}
+def _fill_disk(args: argparse.Namespace, directory: Path, prompts: list[list[int]]) -> tuple[dict[str, Any], float]:
+    """A worker writes the prompts' blocks to a disk tier in `directory`: the options that find them again, and
+    its measured cost of recomputing a block (seconds)."""
+    disk = {"kv_offload_disk": str(directory), "kv_offload_disk_capacity": "16GiB", "kv_offload_write": "through"}
     writer = _llm(args, **disk)
-    for p in warm + [p for n in buckets for p in prompts[n]]:
+    for p in prompts:
         _ttft(writer, p)
     offload = writer.engine.offload
     assert offload is not None
     offload.flush()
     block_s = offload.decide.recompute_seconds(0) or 0.0
     offload.close()
+    return disk, block_s
+
+
+def _decision(args: argparse.Namespace, vocab: int, workdir: Path) -> dict[str, Any]:
+    rng = random.Random(3)
+    buckets = [int(n) for n in args.decision_buckets.split(",")]
+    prompts = {n: [_tokens(rng, n, vocab) for _ in range(args.decision_prompts)] for n in buckets}
+    warm = [_tokens(rng, n, vocab) for n in buckets]  # fit the step-cost model, measure the tier
+    disk, block_s = _fill_disk(args, workdir / "decision", warm + [p for n in buckets for p in prompts[n]])
     if args.slow_tier_ms:
         delays = [float(ms) / 1000 for ms in args.slow_tier_ms.split(",")]
     else:

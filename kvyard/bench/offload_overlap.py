@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvyard.bench.offload import _llm, _slowed, _tokens, _ttft
+from kvyard.bench.offload import _fill_disk, _llm, _slowed, _tokens, _ttft
 from kvyard.sampling_params import SamplingParams
 
 LOAD_MODES = ("blocking", "overlap")
@@ -83,16 +83,7 @@ def run_overlap(args: argparse.Namespace, vocab: int, workdir: Path) -> dict[str
     loads = [_tokens(rng, args.overlap_prompt_len, vocab) for _ in range(args.overlap_loads)]
     warm = _tokens(rng, args.overlap_prompt_len, vocab)
     streams = [_tokens(rng, 64, vocab) for _ in range(args.overlap_streams)]
-    disk = {"kv_offload_disk": str(workdir / "overlap"), "kv_offload_disk_capacity": "16GiB",
-            "kv_offload_write": "through"}
-    writer = _llm(args, **disk)
-    for p in [warm, *loads]:
-        _ttft(writer, p)
-    offload = writer.engine.offload
-    assert offload is not None
-    offload.flush()
-    block_s = offload.decide.recompute_seconds(0) or 0.0
-    offload.close()
+    disk, block_s = _fill_disk(args, workdir / "overlap", [warm, *loads])
     results: dict[str, Any] = {"block_recompute_ms": 1000 * block_s}
     for fraction in (float(f) for f in args.overlap_delay_fractions.split(",")):
         delay = round(fraction * block_s, 5)
