@@ -84,7 +84,15 @@ GEMMA3_TINY = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=7, num_
 
 
 # Variants of a family under a name of their own: (model_type, config overrides).
-VARIANTS = {"mistral-sliding": ("mistral", dict(sliding_window=7))}
+VARIANTS = {
+    "mistral-sliding": ("mistral", dict(sliding_window=7)),
+    # YaRN: long-context frequencies, cos and sin scaled, and DeepSeek's softmax scale by mscale_all_dim
+    "qwen2-yarn": ("qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 128})),
+    "deepseek_v3-yarn": ("deepseek_v3", dict(rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8})),
+}
 
 
 def make_tiny_checkpoint(

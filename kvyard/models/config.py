@@ -75,6 +75,8 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # the checkpoint's rotary dimensions come in (x0, x1) pairs
+    # DeepSeek with YaRN (mscale_all_dim): its softmax scale times this twice, as transformers applies it
+    attention_mscale: float = 1.0
 
     @property
     def is_mla(self) -> bool:
@@ -86,7 +88,10 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float | None:
         """Attention's scale where it is not head_dim ** -0.5 (None: that default)."""
-        return None if self.query_pre_attn_scalar is None else float(self.query_pre_attn_scalar) ** -0.5
+        if self.query_pre_attn_scalar is None and self.attention_mscale == 1.0:
+            return None
+        base = float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        return base * self.attention_mscale * self.attention_mscale
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -125,7 +130,7 @@ class ModelConfig:
         if model_type in MOE_MODEL_TYPES:
             family.update(_moe_fields(cfg, model_type, num_layers))
         if model_type in MLA_MODEL_TYPES:
-            family.update(_deepseek_fields(cfg, model_type, num_layers, source))
+            family.update(_deepseek_fields(cfg, model_type, num_layers, source, rope_scaling or {}))
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -192,8 +197,15 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[s
     }
 
 
-def _deepseek_fields(cfg: dict[str, Any], model_type: str, num_layers: int, source: str) -> dict[str, Any]:
+def _deepseek_fields(cfg: dict[str, Any], model_type: str, num_layers: int, source: str, rope_scaling: dict[str, Any]
+                     ) -> dict[str, Any]:
     """DeepSeek V2 / V3: the latent attention's sizes and the routers, as transformers reads them."""
+    from kvyard.models.rope import yarn_mscale
+
+    mscale = 1.0
+    if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default" and rope_scaling.get(
+            "mscale_all_dim"):
+        mscale = yarn_mscale(float(rope_scaling["factor"]), float(rope_scaling["mscale_all_dim"]))
     if cfg.get("attention_bias"):
         raise UnsupportedArchitectureError(f"{source}: {model_type} with attention_bias; kvyard implements none")
     v3 = model_type == "deepseek_v3"
@@ -211,6 +223,7 @@ def _deepseek_fields(cfg: dict[str, Any], model_type: str, num_layers: int, sour
         # v2 rotates (x0, x1) pairs as complex numbers; v3 too unless told otherwise
         "rope_interleave": bool(cfg.get("rope_interleave", True)) if v3 else True,
         "query_pre_attn_scalar": float(nope + rope),
+        "attention_mscale": mscale,
         "sparse_layers": tuple(experts > 0 and i >= first_dense for i in range(num_layers)),
         "num_experts": experts,
         "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 1),

@@ -5,7 +5,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvyard.errors import CheckpointError, UnsupportedArchitectureError
 from kvyard.models.config import ModelConfig
-from kvyard.models.rope import inverse_frequencies
+from kvyard.models.rope import attention_factor, inverse_frequencies
 
 BASE = dict(vocab_size=100, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=131072, rope_theta=500000.0)
@@ -17,18 +17,24 @@ BASE = dict(vocab_size=100, hidden_size=256, intermediate_size=512, num_hidden_l
         {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
          "original_max_position_embeddings": 8192},
         {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 16,
+         "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.8},
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "attention_factor": 1.3,
+         "truncate": False},
     ],
 )
 def test_scaled_frequencies_match_transformers(scaling):
     hf_cfg = transformers.LlamaConfig(**BASE, rope_scaling=dict(scaling))
-    ref, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_cfg)
-    ours = inverse_frequencies(ModelConfig.from_hf(hf_cfg.to_dict()))
-    torch.testing.assert_close(ours, ref.float(), rtol=1e-6, atol=0)
+    ref, ref_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_cfg)
+    cfg = ModelConfig.from_hf(hf_cfg.to_dict())
+    torch.testing.assert_close(inverse_frequencies(cfg), ref.float(), rtol=1e-6, atol=0)
+    assert attention_factor(cfg) == pytest.approx(ref_factor or 1.0, rel=1e-12)
 
 
 def test_unsupported_scaling_is_refused():
-    cfg = ModelConfig.from_hf({**BASE, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    with pytest.raises(UnsupportedArchitectureError, match="yarn"):
+    cfg = ModelConfig.from_hf({**BASE, "model_type": "llama", "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
+    with pytest.raises(UnsupportedArchitectureError, match="longrope"):
         inverse_frequencies(cfg)
 
 

@@ -61,14 +61,14 @@ def test_rotary_pairs_are_reordered_per_head():
     assert out == [0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]
 
 
-def test_yarn_scaled_deepseek_is_refused_by_name(tiny_checkpoint, tmp_path):
+def test_an_unsupported_rope_scaling_is_refused_by_name(tiny_checkpoint, tmp_path):
     src = tiny_checkpoint("deepseek_v3")
-    dst = tmp_path / "yarn"
+    dst = tmp_path / "dynamic"
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0,
                               "original_max_position_embeddings": 128}
     (dst / "config.json").write_text(json.dumps(cfg))
-    assert load_checkpoint(dst).config.rope_scaling["rope_type"] == "yarn"
-    with pytest.raises(UnsupportedArchitectureError, match="yarn"):
+    assert load_checkpoint(dst).config.rope_scaling["rope_type"] == "dynamic"
+    with pytest.raises(UnsupportedArchitectureError, match="dynamic"):
         LLM(str(dst), dtype="float32")

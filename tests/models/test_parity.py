@@ -22,7 +22,9 @@ ARCHS = [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False)
          ("mistral-sliding", False), ("gemma3_text", True),
          ("qwen2_moe", False), ("qwen3_moe", False), ("mixtral", False), ("olmoe", False),
          # latent attention over a cache of latents, routed and shared experts
-         ("deepseek_v2", False), ("deepseek_v3", False)]
+         ("deepseek_v2", False), ("deepseek_v3", False),
+         # YaRN-scaled RoPE (DeepSeek's also scales its softmax)
+         ("qwen2-yarn", False), ("deepseek_v3-yarn", False)]
 
 # Engine settings that must not change a single greedy token.
 MODES = {
