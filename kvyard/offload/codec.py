@@ -18,10 +18,19 @@ _HEADER = struct.Struct("<5sIIQ")  # magic, tokens, crc32(body), len(body)
 BlockLayout = list[list[tuple[tuple[int, ...], torch.dtype]]]
 
 
+def encode_parts(tokens: tuple[int, ...], tensors: list[list[torch.Tensor]]) -> list[bytes | memoryview]:
+    """The block's bytes as buffers to write one after another (os.writev): the tensors' memory itself, not a
+    copy, with the CRC-32 computed over it in place."""
+    parts: list[bytes | memoryview] = [np.asarray(tokens, dtype=np.int64).tobytes()]
+    parts += [memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()) for layer in tensors for t in layer]
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return [_HEADER.pack(MAGIC, len(tokens), crc, sum(len(part) for part in parts)), *parts]
+
+
 def encode_block(tokens: tuple[int, ...], tensors: list[list[torch.Tensor]]) -> bytes:
-    body = np.asarray(tokens, dtype=np.int64).tobytes() + b"".join(
-        t.contiguous().view(torch.uint8).numpy().tobytes() for layer in tensors for t in layer)
-    return _HEADER.pack(MAGIC, len(tokens), zlib.crc32(body), len(body)) + body
+    return b"".join(encode_parts(tokens, tensors))
 
 
 def decode_block(data: bytes, tokens: tuple[int, ...], layout: BlockLayout) -> list[list[torch.Tensor]] | None:

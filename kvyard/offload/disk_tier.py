@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvyard.offload.codec import BlockLayout, decode_block, encode_block
+from kvyard.offload.codec import BlockLayout, decode_block, encode_parts
 from kvyard.offload.host_tier import OnChange, TierBlock, tensors_nbytes
 from kvyard.offload.writer import QueuedWriter
 
@@ -32,6 +32,27 @@ SUFFIX = ".kv"
 def kv_fingerprint(*parts: object) -> str:
     """A short name for everything that decides a block's KV bytes besides its tokens."""
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
+IOV_BATCH = 512  # buffers per writev call (Linux takes at most 1,024)
+
+
+def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
+    """Write the buffers in order, without joining them into one copy."""
+    for i in range(0, len(parts), IOV_BATCH):
+        batch = parts[i : i + IOV_BATCH]
+        done = os.writev(fd, batch)
+        if done != sum(len(part) for part in batch):  # a short write: the rest, a buffer at a time
+            _write_rest(fd, batch, done)
+
+
+def _write_rest(fd: int, parts: list[bytes | memoryview], done: int) -> None:
+    """Write what the first `done` bytes of the buffers leave out."""
+    for part in parts:
+        view = memoryview(part)[max(0, done) :] if done < len(part) else memoryview(b"")
+        done -= len(part)
+        while len(view):
+            view = view[os.write(fd, view) :]
 
 
 @dataclass
@@ -118,14 +139,22 @@ class DiskTier:
         log.warning("disk KV tier: writing a block failed (%s); it stays uncached", e)
 
     def _write(self, h: bytes, tokens: tuple[int, ...], tensors: list[list[torch.Tensor]]) -> None:
-        data = encode_block(tokens, tensors)
+        parts = encode_parts(tokens, tensors)
+        size = sum(len(part) for part in parts)
         path = self._path(h)
         tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, parts)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # e.g. a full disk: no half file left behind
+            raise
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
         with self._lock:
-            self.index[h] = len(data)
-            self.used_bytes += len(data)
+            self.index[h] = size
+            self.used_bytes += size
             self.stats.stored += 1
             removed = []
             while self.used_bytes > self.capacity_bytes and self.index:

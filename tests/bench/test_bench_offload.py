@@ -22,7 +22,7 @@ def test_every_scenario_reports_its_comparison(tiny_checkpoint, tmp_path):
     for tier in ("host", "disk"):
         assert ws[tier]["tiers"][tier]["restored"] > 0 and ws[tier]["hit_tokens"] > ws["none"]["hit_tokens"]
     assert r["restart"]["restored_blocks"] == (60 - 1) // 4
-    assert set(r["no_reuse"]) == {"none", "host", "disk"} and plot.stat().st_size > 1000
+    assert set(r["no_reuse"]) == {"none", "host", "disk", "disk+admit2"} and plot.stat().st_size > 1000
     # A tier 50 ms a block is slower than recomputing anything on the tiny model: once measured (the first
     # warm-up restore), auto stops reading it; forced load reads every block, forced recompute none.
     slow = r["decision"]["slow-50ms"]

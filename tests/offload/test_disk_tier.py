@@ -85,3 +85,20 @@ def test_a_full_queue_drops_the_write_and_counts_it(tmp_path):
     tier.flush()
     assert (tier.stats.stored, tier.stats.dropped) == (2, 1)
     assert b"\x02" * 32 not in tier and tier.get(b"\x01" * 32, (1,) * 4) is not None
+
+
+def test_a_short_write_is_finished_from_where_it_stopped(tmp_path):
+    import os
+
+    from kvyard.offload.disk_tier import _write_rest
+
+    parts = [b"header", memoryview(bytes(range(10))), b"", b"tail"]
+    whole = b"".join(parts)
+    for done in range(len(whole) + 1):
+        path = tmp_path / f"short-{done}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+        try:
+            _write_rest(fd, parts, done)
+        finally:
+            os.close(fd)
+        assert path.read_bytes() == whole[done:]
