@@ -60,7 +60,6 @@ class PendingRestore:
     hashes: list[bytes]
     where: list["Tier | None"]
     reads: dict[int, "concurrent.futures.Future[ReadResult]"]
-    planned_at: float  # time.perf_counter(): a tier's reads cost the request the wall time until the last one
 
 
 def _result(future: "concurrent.futures.Future[ReadResult]") -> ReadResult:
@@ -68,7 +67,7 @@ def _result(future: "concurrent.futures.Future[ReadResult]") -> ReadResult:
         return future.result()
     except Exception:  # a tier's read counts its own faults; anything else is a bug, and still only a miss
         log.exception("reading a KV block from a tier failed; its request recomputes it")
-        return ReadResult(None, 0.0, time.perf_counter())
+        return ReadResult(None, 0.0)
 
 
 class KVOffload:
@@ -227,13 +226,13 @@ class KVOffload:
         if not any(w is not None for w in where):
             return None
         where = where[: self.decide.blocks_to_load([None if w is None else w.name for w in where])]
-        reads, planned_at = {}, time.perf_counter()
+        reads = {}
         if self.reader is not None:
             for i, tier in enumerate(where):
                 if tier is not None and not isinstance(tier, HostTier):
                     reads[i] = self.reader.read(tier.name, tier.get, hashes[i],
                                                 tuple(req.token_ids[i * bs : (i + 1) * bs]))
-        return PendingRestore(hashes, where, reads, planned_at)
+        return PendingRestore(hashes, where, reads)
 
     def _restore(self, req: Request, plan: "PendingRestore") -> int:
         """Put the planned blocks into the pool: host slots are looked up only now (a slot found while reads
@@ -247,8 +246,10 @@ class KVOffload:
                 continue
             hit: Found | None
             if i in plan.reads:
-                result = _result(plan.reads[i])  # the reads ran side by side: the wait is the last one's end
-                seconds[tier.name] = max(seconds[tier.name], result.finished - plan.planned_at)
+                result = _result(plan.reads[i])
+                # each read's own time: the wall time until the last one also holds the queue behind other
+                # requests' reads, which would make a busy tier look slow and the decision stop loading
+                seconds[tier.name] += result.seconds
                 hit = None if result.entry is None else (tier, result.entry)  # type: ignore[assignment]
             else:
                 started = time.perf_counter()

@@ -23,7 +23,6 @@ Read = Callable[[bytes, tuple[int, ...]], TierBlock | None]
 class ReadResult:
     entry: TierBlock | None  # None: missing or damaged (the tier counted it)
     seconds: float  # what reading and checking it took on the reader thread
-    finished: float  # when (time.perf_counter)
 
 
 class BlockReader:
@@ -47,8 +46,7 @@ class BlockReader:
         finally:
             with self._lock:  # done: a later request reads it again (or finds it in the pool by then)
                 self._reading.pop((tier, h), None)
-        finished = time.perf_counter()
-        return ReadResult(entry, finished - started, finished)
+        return ReadResult(entry, time.perf_counter() - started)
 
     @property
     def busy(self) -> bool:
