@@ -33,6 +33,7 @@ _HELP = {
                   "(default: twice a full batch of decodes, by the measured step cost; 0: off)",
     "enable_prefix_caching": "reuse the KV cache of prompt prefixes seen before",
     "max_model_len": "context limit (default: the model's)",
+    "tensor_parallel_size": "ranks that each hold a share of every layer (heads, KV heads, MLP columns)",
     "num_threads": "CPU threads for torch (default: all cores)",
     "kv_cache_dtype": "KV cache storage: auto (the model dtype) or int8",
     "quantization": "quantize weights on load: int8 or int4-g32|g64|g128[-asym|-min] (lm_head stays dense), "

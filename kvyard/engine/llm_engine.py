@@ -33,6 +33,8 @@ from kvyard.loader.checkpoint import Checkpoint, load_checkpoint
 from kvyard.loader.registry import resolve_model
 from kvyard.models.build import build_model
 from kvyard.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from kvyard.parallel.comm import current_group
+from kvyard.parallel.tensor import TensorParallelDecoder, check_tensor_parallel, local_config
 from kvyard.quant.kv_smoothing import smooth_keys
 from kvyard.quant.plan import quantize_stream, uniform_plan
 from kvyard.quant.qtensor import QuantizedTensor
@@ -45,8 +47,10 @@ from kvyard.structured.spec import StructuredOutput
 from kvyard.tokenizer.detokenizer import Detokenizer
 
 if TYPE_CHECKING:
+    from kvyard.models.config import ModelConfig
     from kvyard.models.kv_layer import LayerKV
     from kvyard.offload.manager import KVOffload
+    from kvyard.parallel.comm import GlooGroup
     from kvyard.structured.compiler import GrammarCompiler
     from kvyard.structured.matcher import GrammarState
 
@@ -80,8 +84,11 @@ class LLMEngine:
         if device.type == "cpu":
             cpu_kernels.available()  # build (first run on a machine) or load them now, not in the first request
             keep_freed_memory()
-        self.kv_groups = KVGroups.of(ckpt.config)
-        num_blocks, window_blocks = pool_sizes(ckpt.config, self.kv_groups, cfg.block_size, cfg.dtype,
+        group = self._parallel_group(ckpt.config)
+        # What this process holds: with tensor parallelism, its rank's share of the heads (and of the KV cache)
+        local = ckpt.config if group is None else local_config(ckpt.config, group.size)
+        self.kv_groups = KVGroups.of(local)
+        num_blocks, window_blocks = pool_sizes(local, self.kv_groups, cfg.block_size, cfg.dtype,
                                                cfg.kv_cache_memory, cfg.kv_cache_dtype, cfg.max_num_seqs,
                                                cfg.token_budget)
         context = min(ckpt.config.max_position_embeddings, cfg.max_model_len or 1 << 62)
@@ -91,13 +98,18 @@ class LLMEngine:
             # Every layer slides: a request holds only its window and the chunk it computes, however long.
             if (num_blocks - 2) * cfg.block_size >= self.kv_groups.window + cfg.token_budget:
                 self.max_model_len = context
-        model = build_model(ckpt.config, cfg.dtype, device, max_positions=self.max_model_len, max_rows=cfg.token_budget)
+        if group is None:
+            model = build_model(ckpt.config, cfg.dtype, device, max_positions=self.max_model_len,
+                                max_rows=cfg.token_budget)
+        else:
+            model = TensorParallelDecoder(ckpt.config, group, cfg.dtype, device, max_positions=self.max_model_len,
+                                          max_rows=cfg.token_budget)
         model.load(self._weights(ckpt), str(path))
         if cfg.kv_cache_dtype == "int8":
             smooth_keys(model, self.tokenizer, max_len=min(256, self.max_model_len))
         self.blocks = self._block_pools(num_blocks, window_blocks)
         self.scheduler = Scheduler(cfg, self.blocks)
-        caches = allocate_kv_caches(ckpt.config, num_blocks, cfg.block_size, cfg.dtype, device, cfg.kv_cache_dtype,
+        caches = allocate_kv_caches(local, num_blocks, cfg.block_size, cfg.dtype, device, cfg.kv_cache_dtype,
                                     self.kv_groups, window_blocks)
         for cache, layer in zip(caches, model.layers, strict=True):
             cache.key_smoothing = layer.qk_scale
@@ -118,6 +130,19 @@ class LLMEngine:
         # load-or-recompute decision and the tier credits it sends a router price recomputing a block with it)
         if self.scheduler.stall_free or self.offload is not None:
             calibrate_step_cost(self)
+
+    def _parallel_group(self, model: "ModelConfig") -> "GlooGroup | None":
+        """The process's group of ranks, with tensor parallelism; None without."""
+        ranks = self.cfg.tensor_parallel_size
+        if ranks == 1:
+            return None
+        group = current_group()
+        if group is None or group.size != ranks:
+            raise ConfigError(f"tensor_parallel_size {ranks} needs this process in a group of {ranks} ranks "
+                              "(kvyard.parallel.comm.join_group) before the engine is built",
+                              param="tensor_parallel_size")
+        check_tensor_parallel(model, ranks)
+        return group
 
     def _offload(self, caches: "list[LayerKV]") -> "KVOffload | None":
         cfg = self.cfg

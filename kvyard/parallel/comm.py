@@ -1,0 +1,63 @@
+"""A parallel replica's communication: the group of ranks a process belongs to, and its collectives.
+
+`GlooGroup` runs them through torch.distributed over gloo (TCP, on one host or across hosts), each with a timeout,
+so a dead peer ends a collective with an error instead of a hang. A process joins one group (`join_group`)
+before it builds its engine; the engine takes it from `current_group()`.
+"""
+
+import datetime
+import logging
+
+import torch
+import torch.distributed as dist
+
+from kvyard.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class GlooGroup:
+    def __init__(self, rank: int, size: int, master: str = "127.0.0.1:29531", timeout_s: float = DEFAULT_TIMEOUT_S):
+        if not 0 <= rank < size:
+            raise ConfigError(f"rank {rank} is not in a group of {size}", param="rank")
+        self.rank, self.size = rank, size
+        dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        self.all_reduces = 0  # collectives so far, and the bytes they carried (per rank, before the exchange)
+        self.bytes_reduced = 0
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t)
+        self.all_reduces += 1
+        self.bytes_reduced += t.numel() * t.element_size()
+        return t
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+_current: GlooGroup | None = None
+
+
+def join_group(rank: int, size: int, master: str = "127.0.0.1:29531",
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> GlooGroup:
+    """Join this process to a group of `size` ranks; the engines it builds from then on are its rank's share."""
+    global _current
+    if _current is not None:
+        raise ConfigError("this process is already in a parallel group", param="rank")
+    _current = GlooGroup(rank, size, master, timeout_s)
+    return _current
+
+
+def leave_group() -> None:
+    global _current
+    if _current is not None:
+        _current.close()
+        _current = None
+
+
+def current_group() -> GlooGroup | None:
+    return _current

@@ -1,0 +1,121 @@
+"""Tensor parallelism: two ranks, each a process holding half of every layer and of the KV cache, exchanging
+partial sums over gloo, give the single-process engine's greedy tokens and its logits within 1e-3."""
+
+import multiprocessing
+import queue
+import socket
+
+import pytest
+import torch
+
+from kvyard import LLM, SamplingParams
+from kvyard.errors import ConfigError
+from kvyard.models.config import ModelConfig
+from kvyard.parallel.tensor import check_tensor_parallel, local_config
+from tests.tiny import make_tiny_checkpoint
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b", "Paged attention"]
+LOGIT_ATOL = 1e-3
+RANK_TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, size: int, port: int, path: str, results: "multiprocessing.Queue") -> None:
+    """One rank: join the group, build its share of the engine, answer the prompts (every rank steps the same
+    batches, so their collectives line up)."""
+    from kvyard.parallel.comm import join_group, leave_group
+
+    try:
+        group = join_group(rank, size, f"127.0.0.1:{port}", timeout_s=60)
+        llm = LLM(path, dtype="float32", tensor_parallel_size=size, num_threads=1)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        prompts = [llm.tokenizer(p).input_ids for p in PROMPTS]
+        logits = [llm.engine.compute_logits(p).tolist() for p in prompts]  # plain lists: the process exits
+        cache = llm.engine.runner.kv_caches[0]
+        results.put((rank, {"tokens": tokens, "logits": logits, "kv_heads": cache.k.shape[1],
+                            "all_reduces": group.all_reduces}))
+    except BaseException as e:  # the parent reports it
+        results.put((rank, {"error": repr(e)}))
+    finally:
+        leave_group()
+
+
+def _run_ranks(path, size: int) -> dict[int, dict]:
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, size, port, str(path), results), daemon=True) for r in range(size)]
+    for p in procs:
+        p.start()
+    got: dict[int, dict] = {}
+    try:
+        for _ in range(size):
+            rank, result = results.get(timeout=RANK_TIMEOUT_S)
+            got[rank] = result
+    except queue.Empty:
+        pytest.fail(f"ranks {sorted(set(range(size)) - set(got))} sent nothing in {RANK_TIMEOUT_S} s")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    errors = {r: g["error"] for r, g in got.items() if "error" in g}
+    assert not errors, errors
+    return got
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("qwen3", {}),
+                                            # one KV head for two ranks: replicated on both
+                                            ("llama", {"num_key_value_heads": 1})])
+def test_two_ranks_give_the_single_process_tokens(tmp_path, arch, overrides):
+    path = make_tiny_checkpoint(tmp_path / arch, arch, **overrides)
+    single = LLM(str(path), dtype="float32")
+    want = [o.outputs[0].token_ids for o in single.generate(PROMPTS, GREEDY)]
+    want_logits = [single.engine.compute_logits(single.tokenizer(p).input_ids) for p in PROMPTS]
+    got = _run_ranks(path, 2)
+    cfg = single.engine.model_config
+    for rank in (0, 1):
+        assert got[rank]["tokens"] == want
+        for ours, theirs in zip(got[rank]["logits"], want_logits, strict=True):
+            assert (torch.tensor(ours) - theirs).abs().max().item() <= LOGIT_ATOL
+        # each rank holds its share of the KV heads (a whole one where there are fewer heads than ranks)
+        assert got[rank]["kv_heads"] == max(1, cfg.num_kv_heads // 2)
+        # two partial sums a layer and step: attention's and the MLP's
+        assert got[rank]["all_reduces"] >= 2 * cfg.num_layers * len(PROMPTS)
+
+
+def test_sizes_that_do_not_divide_the_model_name_the_ones_that_do():
+    smollm2 = ModelConfig.from_hf({"model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
+                                   "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                                   "num_key_value_heads": 3})
+    with pytest.raises(ConfigError, match=r"9 attention heads, 3 KV heads.*sizes that do: 1, 3$"):
+        check_tensor_parallel(smollm2, 2)
+    share = local_config(smollm2, 3)
+    assert (share.num_heads, share.num_kv_heads, share.intermediate_size) == (3, 1, 512)
+
+
+def test_an_engine_asked_for_ranks_outside_a_group_says_how_to_join_one(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="join_group"):
+        LLM(str(tiny_checkpoint("llama")), dtype="float32", tensor_parallel_size=2)
+
+
+def test_a_rank_holds_only_its_slice_of_the_weights():
+    from kvyard.parallel.tensor import shard_tensor
+
+    cfg = ModelConfig.from_hf({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 6,
+                               "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 1,
+                               "head_dim": 2})
+    q = torch.arange(8 * 8).view(8, 8)
+    k = torch.arange(2 * 8).view(2, 8)
+    down = torch.arange(8 * 6).view(8, 6)
+    name = "model.layers.0."
+    assert torch.equal(shard_tensor(name + "self_attn.q_proj.weight", q, cfg, 1, 2), q[4:])
+    assert torch.equal(shard_tensor(name + "self_attn.k_proj.weight", k, cfg, 1, 2), k)  # the one KV head, whole
+    assert torch.equal(shard_tensor(name + "mlp.down_proj.weight", down, cfg, 0, 2), down[:, :3])
+    assert torch.equal(shard_tensor("model.embed_tokens.weight", q, cfg, 1, 2), q)
