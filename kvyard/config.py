@@ -77,9 +77,10 @@ class EngineConfig:
     # only when the host tier evicts it, so the two capacities add up
     kv_offload_tiers: str = "inclusive"
     kv_offload_admit_after: int = 1  # write a block only once this many prompts carried it (1: every block)
-    # overlap: a request's blocks are read from the disk or Redis on a thread while the engine steps the other
-    # requests, and it waits; blocking: the engine waits for the reads (for comparison)
-    kv_offload_load: str = "overlap"
+    # blocking: the engine reads a request's blocks from the disk or Redis before it steps again; overlap: on
+    # reader threads while it steps the other requests (smooth streams, but with a pool far smaller than the
+    # working set a waiting request loses its place and its blocks, BENCHMARKS.md)
+    kv_offload_load: str = "blocking"
     max_model_len: int | None = None  # default: the model's context window
     num_threads: int | None = None  # CPU threads for torch; default: all cores
     # Tensor parallelism (kvyard/parallel/): this engine is one rank's share of the weights and KV cache, in the

@@ -21,6 +21,16 @@ class LLM:
         self.engine = LLMEngine(config.offline())
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the worker ranks of a parallel replica (nothing else needs closing)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -119,6 +119,7 @@ def _working_set(args: argparse.Namespace, tiers: list[str], per_token: float, v
     results = {}
     for tier in ["none", *tiers]:
         llm = _llm(args, kv_cache_memory=pool, **_tier_options(tier, workdir / f"ws-{tier}", args))
+        _clear_shared(llm)  # blocks an earlier run left in Redis
         _run_batch(llm, [[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
         histories = [list(h) for h in histories0]
         ttfts: list[float] = []
@@ -175,6 +176,14 @@ def _restart(args: argparse.Namespace, vocab: int, workdir: Path) -> dict[str, A
             "gain": cold / warm, "restored_blocks": restored}
 
 
+def _clear_shared(llm: LLM) -> None:
+    from kvyard.offload.redis_tier import RedisTier
+
+    for tier in llm.engine.offload.tiers if llm.engine.offload else []:
+        if isinstance(tier, RedisTier):
+            tier.clear()
+
+
 def _no_reuse(args: argparse.Namespace, tiers: list[str], per_token: float, vocab: int, workdir: Path
               ) -> dict[str, Any]:
     rng = random.Random(2)
@@ -186,6 +195,7 @@ def _no_reuse(args: argparse.Namespace, tiers: list[str], per_token: float, voca
     for round_ in range(args.no_reuse_rounds):  # configurations alternate; each keeps its best round (order noise)
         for tier in ["none", *tiers, *(f"{t}+admit2" for t in tiers if t == "disk")]:
             llm = _llm(args, kv_cache_memory=pool, **_tier_options(tier, workdir / f"nr-{tier}-{round_}", args))
+            _clear_shared(llm)  # an earlier round's blocks in Redis would be reuse
             _run_batch(llm, [[1, 2, 3]], SamplingParams(max_tokens=2))
             started = time.perf_counter()
             outs, _ = _run_batch(llm, prompts, params)

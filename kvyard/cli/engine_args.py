@@ -22,8 +22,8 @@ _HELP = {
     "kv_offload_write": "when blocks go to the offload tiers: back (when the pool evicts them) or through (when cached)",
     "kv_offload_tiers": "inclusive (every block to every tier; the disk must be larger than the host tier) or "
                         "exclusive (to the disk only when the host tier evicts it: the capacities add up)",
-    "kv_offload_load": "overlap (read a request's blocks from the disk or Redis while the engine steps the others) or "
-                       "blocking (the engine waits for the reads)",
+    "kv_offload_load": "blocking (the engine reads a request's blocks from the disk or Redis, then steps on) or overlap "
+                       "(reader threads while the engine steps the others: smoother streams)",
     "kv_offload_admit_after": "write a block to the tiers only once this many prompts carried it (1: every block)",
     "block_size": "tokens per KV block",
     "max_num_batched_tokens": "token budget of one forward pass (decodes + prefill chunks)",

@@ -34,6 +34,7 @@ from kvyard.loader.registry import resolve_model
 from kvyard.models.build import build_model
 from kvyard.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvyard.parallel.comm import current_group
+from kvyard.parallel.ranks import DrivingRunner, Workers, start_workers
 from kvyard.parallel.tensor import TensorParallelDecoder, check_tensor_parallel, local_config
 from kvyard.quant.kv_smoothing import smooth_keys
 from kvyard.quant.plan import quantize_stream, uniform_plan
@@ -69,6 +70,14 @@ class _Tracked:
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
+        self._workers: Workers | None = None  # the other ranks, where this engine started them
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.close()  # ranks it started must not wait for a rank 0 that never comes
+            raise
+
+    def _build(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
@@ -113,7 +122,11 @@ class LLMEngine:
                                     self.kv_groups, window_blocks)
         for cache, layer in zip(caches, model.layers, strict=True):
             cache.key_smoothing = layer.qk_scale
-        self.runner = ModelRunner(model, caches, cfg.block_size, self.kv_groups)
+        if self._workers is not None:  # rank 0 of the ranks it started: each step goes to them first
+            self.runner = DrivingRunner(model, caches, cfg.block_size, self.kv_groups)
+            self.runner.pipes = self._workers.pipes
+        else:
+            self.runner = ModelRunner(model, caches, cfg.block_size, self.kv_groups)
         self.offload = self._offload(caches)
         self.spec = make_speculation(cfg, self.tokenizer, ckpt.config.vocab_size, num_blocks, self.max_model_len)
         eos = set(ckpt.config.eos_token_ids)
@@ -133,15 +146,23 @@ class LLMEngine:
 
     def _parallel_group(self, model: "ModelConfig") -> "GlooGroup | None":
         """The process's group of ranks, with tensor parallelism; None without."""
-        ranks = self.cfg.tensor_parallel_size
+        cfg, ranks = self.cfg, self.cfg.tensor_parallel_size
         if ranks == 1:
             return None
-        group = current_group()
-        if group is None or group.size != ranks:
-            raise ConfigError(f"tensor_parallel_size {ranks} needs this process in a group of {ranks} ranks "
-                              "(kvyard.parallel.comm.join_group) before the engine is built",
-                              param="tensor_parallel_size")
         check_tensor_parallel(model, ranks)
+        for name, value, why in (("kv_offload_host_memory", cfg.kv_offload_host_memory or cfg.kv_offload_disk
+                                  or cfg.kv_offload_redis, "offload tiers"),
+                                 ("kv_cache_dtype", cfg.kv_cache_dtype == "int8", "an int8 KV cache"),
+                                 ("speculative_method", cfg.speculative_method == "speculator", "a speculator")):
+            if value:
+                raise ConfigError(f"tensor parallelism does not yet work with {why}", param=name)
+        group = current_group()
+        if group is None:  # start the other ranks, and be rank 0
+            self._workers = start_workers(cfg, ranks)
+            group = current_group()
+        if group is None or group.size != ranks:
+            raise ConfigError(f"tensor_parallel_size {ranks} does not match this process's group of "
+                              f"{group.size if group else 0} ranks", param="tensor_parallel_size")
         return group
 
     def _offload(self, caches: "list[LayerKV]") -> "KVOffload | None":
@@ -310,6 +331,12 @@ class LLMEngine:
         if self.offload is not None:
             events += self.offload.take_events()
         return events
+
+    def close(self) -> None:
+        """Stop the ranks this engine started (tensor parallelism); nothing to do otherwise."""
+        if self._workers is not None:
+            self._workers.stop()
+            self._workers = None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)

@@ -16,8 +16,8 @@
   are in a tier, as far as loading them beats recomputing them (decision.py), go back into the pool's prefix
   cache (`BlockManager.adopt`), so the scheduler hits them like any cached prefix and the request computes only
   what neither holds. The pool's KV events report them as stored, so a cache-aware router sees them too.
-- Loads overlap compute: the disk's and Redis's reads run on a reader thread (reader.py) while the request
-  waits and the engine steps the others; it is admitted at the first step after they finish.
+- Loads can overlap compute (`overlap`): the disk's and Redis's reads run on reader threads (reader.py) while
+  the request waits and the engine steps the others; it is admitted at the first step after they finish.
 """
 
 import concurrent.futures
@@ -73,7 +73,7 @@ def _result(future: "concurrent.futures.Future[ReadResult]") -> ReadResult:
 class KVOffload:
     def __init__(self, tiers: list[Tier], caches: list[LayerKV], blocks: BlockManager, block_size: int,
                  decide: LoadOrRecompute, write: str = "back", admit_after: int = 1, exclusive: bool = False,
-                 overlap: bool = True):
+                 overlap: bool = False):
         self.tiers = tiers
         self.decide = decide
         self.caches = caches

@@ -66,6 +66,19 @@ class RedisTier:
         self._down_until = 0.0
         self.writer = QueuedWriter(self._write, self.name, self.max_pending, self._failed)
 
+    def clear(self) -> int:
+        """Delete this model's blocks from the server (every replica's); returns how many."""
+        deleted = 0
+        batch: list[bytes] = []
+        for key in self.client.scan_iter(match=self.prefix + b"*", count=1000):
+            batch.append(key)
+            if len(batch) == 1000:
+                deleted += self.client.delete(*batch)
+                batch = []
+        if batch:
+            deleted += self.client.delete(*batch)
+        return deleted
+
     def _key(self, h: bytes) -> bytes:
         return self.prefix + h.hex().encode()
 

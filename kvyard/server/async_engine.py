@@ -317,6 +317,7 @@ class AsyncEngine:
         except BaseException:  # pragma: no cover - a bug in this loop; fail loudly but cleanly
             log.exception("the engine loop crashed")
         finally:
+            self._engine.close()  # a parallel replica's other ranks stop with it
             self._stopped.set()
             for request_id, sink in self._sinks.items():
                 sink.put(RequestFailedError(request_id, "the engine stopped"))

@@ -16,7 +16,7 @@ def _gated_disk(tiny_checkpoint, tmp_path):
     first = _disk_engine(path, tmp_path)
     first.generate([TEXTS[1]], GREEDY)
     first.engine.offload.flush()
-    llm = _disk_engine(path, tmp_path)
+    llm = _disk_engine(path, tmp_path, kv_offload_load="overlap")
     disk, gate = llm.engine.offload.tiers[0], threading.Event()
     read = disk.get
 

@@ -3,7 +3,6 @@ partial sums over gloo, give the single-process engine's greedy tokens and its l
 
 import multiprocessing
 import queue
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,8 @@ import torch
 from kvyard import LLM, SamplingParams
 from kvyard.errors import ConfigError
 from kvyard.models.config import ModelConfig
+from kvyard.parallel.comm import current_group
+from kvyard.parallel.ranks import free_port
 from kvyard.parallel.tensor import check_tensor_parallel, local_config
 from tests.tiny import make_tiny_checkpoint
 
@@ -18,12 +19,6 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b", "Paged attention"]
 LOGIT_ATOL = 1e-3
 RANK_TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, size: int, port: int, path: str, results: "multiprocessing.Queue") -> None:
@@ -49,7 +44,7 @@ def _rank(rank: int, size: int, port: int, path: str, results: "multiprocessing.
 def _run_ranks(path, size: int) -> dict[int, dict]:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, size, port, str(path), results), daemon=True) for r in range(size)]
     for p in procs:
         p.start()
@@ -70,24 +65,51 @@ def _run_ranks(path, size: int) -> dict[int, dict]:
     return got
 
 
+def _single(path) -> tuple[list[list[int]], list[torch.Tensor], LLM]:
+    single = LLM(str(path), dtype="float32")
+    want = [o.outputs[0].token_ids for o in single.generate(PROMPTS, GREEDY)]
+    return want, [single.engine.compute_logits(single.tokenizer(p).input_ids) for p in PROMPTS], single
+
+
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("qwen3", {}),
                                             # one KV head for two ranks: replicated on both
                                             ("llama", {"num_key_value_heads": 1})])
 def test_two_ranks_give_the_single_process_tokens(tmp_path, arch, overrides):
+    """LLM(tensor_parallel_size=2) starts rank 1 itself and drives it, step by step."""
     path = make_tiny_checkpoint(tmp_path / arch, arch, **overrides)
-    single = LLM(str(path), dtype="float32")
-    want = [o.outputs[0].token_ids for o in single.generate(PROMPTS, GREEDY)]
-    want_logits = [single.engine.compute_logits(single.tokenizer(p).input_ids) for p in PROMPTS]
+    want, want_logits, single = _single(path)
+    with LLM(str(path), dtype="float32", tensor_parallel_size=2) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+        for prompt, theirs in zip(PROMPTS, want_logits, strict=True):
+            ours = llm.engine.compute_logits(llm.tokenizer(prompt).input_ids)
+            assert (ours - theirs).abs().max().item() <= LOGIT_ATOL
+        cfg = single.engine.model_config
+        # rank 0 holds its share of the KV heads (a whole one where there are fewer heads than ranks)
+        assert llm.engine.runner.kv_caches[0].k.shape[1] == max(1, cfg.num_kv_heads // 2)
+        # two partial sums a layer and step: attention's and the MLP's
+        assert current_group().all_reduces >= 2 * cfg.num_layers * len(PROMPTS)
+    assert current_group() is None  # closing the engine stopped rank 1 and left the group
+
+
+def test_ranks_launched_from_outside_step_together(tmp_path):
+    """Every rank of a group joined by its launcher runs the same engine on the same inputs."""
+    path = make_tiny_checkpoint(tmp_path / "llama", "llama")
+    want, want_logits, _ = _single(path)
     got = _run_ranks(path, 2)
-    cfg = single.engine.model_config
     for rank in (0, 1):
         assert got[rank]["tokens"] == want
         for ours, theirs in zip(got[rank]["logits"], want_logits, strict=True):
             assert (torch.tensor(ours) - theirs).abs().max().item() <= LOGIT_ATOL
-        # each rank holds its share of the KV heads (a whole one where there are fewer heads than ranks)
-        assert got[rank]["kv_heads"] == max(1, cfg.num_kv_heads // 2)
-        # two partial sums a layer and step: attention's and the MLP's
-        assert got[rank]["all_reduces"] >= 2 * cfg.num_layers * len(PROMPTS)
+
+
+def test_a_dead_rank_fails_the_request_and_not_the_engine(tiny_checkpoint):
+    with LLM(str(tiny_checkpoint("llama")), dtype="float32", tensor_parallel_size=2) as llm:
+        assert llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].finish_reason == "length"
+        worker = llm.engine._workers.processes[0]
+        worker.kill()
+        worker.join(10)
+        out = llm.generate(PROMPTS[:1], GREEDY)[0]
+        assert out.outputs[0].finish_reason == "error"
 
 
 def test_sizes_that_do_not_divide_the_model_name_the_ones_that_do():
@@ -100,9 +122,10 @@ def test_sizes_that_do_not_divide_the_model_name_the_ones_that_do():
     assert (share.num_heads, share.num_kv_heads, share.intermediate_size) == (3, 1, 512)
 
 
-def test_an_engine_asked_for_ranks_outside_a_group_says_how_to_join_one(tiny_checkpoint):
-    with pytest.raises(ConfigError, match="join_group"):
-        LLM(str(tiny_checkpoint("llama")), dtype="float32", tensor_parallel_size=2)
+def test_what_does_not_work_with_ranks_yet_is_refused_by_name(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="offload tiers"):
+        LLM(str(tiny_checkpoint("llama")), dtype="float32", tensor_parallel_size=2, kv_offload_host_memory="1MiB")
+    assert current_group() is None
 
 
 def test_a_rank_holds_only_its_slice_of_the_weights():

@@ -1,0 +1,122 @@
+"""One replica as a group of ranks on one host: rank 0 is the engine that schedules, the others follow its steps.
+
+`LLMEngine(tensor_parallel_size=N)` in a process that is in no group starts N - 1 worker processes (spawned, so
+they share nothing but what they are sent), joins the group as rank 0, and builds its share of the model while
+they build theirs. Each step, rank 0's runner (`DrivingRunner`) sends the step's inputs to every worker over a
+pipe of its own, then runs its share; the workers run theirs, and the layers' all-reduces meet. The pipes carry
+plain pickles (the tensors' bytes), not shared-memory handles, so a step outlives nothing. A worker whose
+driver is gone (its pipe closed or its parent dead) exits.
+"""
+
+import logging
+import multiprocessing
+import os
+import pickle
+import socket
+from dataclasses import asdict, dataclass, replace
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvyard.engine.model_runner import ModelRunner, StepInput
+from kvyard.parallel.comm import join_group, leave_group
+
+if TYPE_CHECKING:
+    from kvyard.config import EngineConfig
+    from kvyard.engine.llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0  # how often an idle worker checks that its driver is alive
+STOP = b"stop"
+
+
+@dataclass
+class Workers:
+    processes: list[multiprocessing.process.BaseProcess]
+    pipes: list[Connection]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send_bytes(STOP)
+            except OSError:
+                pass  # that worker is gone already
+        for p in self.processes:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+        leave_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_workers(cfg: "EngineConfig", size: int) -> Workers:
+    """Spawn ranks 1..size-1 and join the group as rank 0 (which waits for them to join too)."""
+    ctx = multiprocessing.get_context("spawn")
+    master = f"127.0.0.1:{free_port()}"
+    if cfg.num_threads is None:  # the cores shared out between the ranks, not each rank taking them all
+        cfg = replace(cfg, num_threads=max(1, (os.cpu_count() or 1) // size))
+        torch.set_num_threads(cfg.num_threads)
+    processes, pipes = [], []
+    for rank in range(1, size):
+        mine, theirs = ctx.Pipe(duplex=False)  # (read end, write end)
+        p = ctx.Process(target=_worker_main, args=(rank, size, master, asdict(cfg), mine, os.getpid()),
+                        name=f"kvyard-rank-{rank}", daemon=True)
+        p.start()
+        mine.close()
+        processes.append(p)
+        pipes.append(theirs)
+    try:
+        join_group(0, size, master)
+    except BaseException:
+        Workers(processes, pipes).stop(timeout=1)
+        raise
+    return Workers(processes, pipes)
+
+
+class DrivingRunner(ModelRunner):
+    """Rank 0's runner: every step's inputs go to the other ranks before it runs its own share."""
+
+    pipes: list[Connection] = []
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        data = pickle.dumps((step.input_ids, step.positions, step.meta, step.logits_indices))
+        for pipe in self.pipes:
+            pipe.send_bytes(data)
+        return super().execute(step)
+
+
+def _worker_main(rank: int, size: int, master: str, cfg: dict[str, Any], pipe: Connection, parent: int) -> None:
+    from kvyard.config import EngineConfig
+    from kvyard.engine.llm_engine import LLMEngine
+
+    join_group(rank, size, master)
+    try:
+        follow(LLMEngine(EngineConfig(**cfg)), pipe, parent)
+    finally:
+        leave_group()
+
+
+def follow(engine: "LLMEngine", pipe: Connection, parent: int) -> None:
+    """Run rank 0's steps on this rank's share until it says stop, or is gone."""
+    runner = engine.runner
+    while True:
+        if not pipe.poll(POLL_S):
+            if os.getppid() != parent:
+                log.warning("rank 0 is gone; this rank stops")
+                return
+            continue
+        try:
+            data = pipe.recv_bytes()
+        except (EOFError, OSError):
+            return
+        if data == STOP:
+            return
+        input_ids, positions, meta, logits_indices = pickle.loads(data)
+        runner.model.forward(input_ids, positions, meta, runner.kv_caches, logits_indices)
