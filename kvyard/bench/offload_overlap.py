@@ -2,7 +2,7 @@
 
 A restarted worker whose disk holds long prompts decodes a few streams; at a fixed interval one of the long
 prompts arrives and its blocks are loaded back. With `--kv-offload-load blocking` the engine waits for each read, so
-every running stream waits too; with `overlap` (the default) the reads run on the reader thread while the
+every running stream waits too (the default); with `overlap` the reads run on the reader threads while the
 streams go on. Measured on the real disk, and on simulated remote tiers (the disk with a fixed delay per block,
 a fraction of the engine's cost of recomputing a block, so the decision still loads): the streams' inter-token
 latency (p50, p99, worst), their throughput, and the loaded requests' TTFT, each mode in the same run.
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvyard.bench.offload import _fill_disk, _llm, _slowed, _tokens, _ttft
+from kvyard.bench.serve_metrics import percentile
 from kvyard.sampling_params import SamplingParams
 
 LOAD_MODES = ("blocking", "overlap")
@@ -30,11 +31,6 @@ def add_overlap_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-gap-ms", type=float, default=500, help="time between two loaded prompts' arrivals")
     p.add_argument("--overlap-delay-fractions", default="0,0.5",
                    help="per-block read delays to add to the disk, as fractions of a block's recompute time")
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _run(args: argparse.Namespace, mode: str, disk: dict[str, Any], delay_s: float, warm: list[int],
@@ -73,7 +69,7 @@ def _run(args: argparse.Namespace, mode: str, disk: dict[str, Any], delay_s: flo
     ttft = [r.first_token_time - r.arrival_time for r in loaded]
     restored = offload.restored_blocks
     offload.close()
-    return {"itl_p50_ms": 1000 * statistics.median(itl), "itl_p99_ms": 1000 * _percentile(itl, 0.99),
+    return {"itl_p50_ms": 1000 * statistics.median(itl), "itl_p99_ms": 1000 * percentile(sorted(itl), 99),
             "itl_max_ms": 1000 * max(itl), "stream_tok_s": sum(map(len, times.values())) / elapsed,
             "load_ttft_p50_ms": 1000 * statistics.median(ttft), "restored_blocks": restored}
 

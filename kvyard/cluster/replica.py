@@ -7,12 +7,13 @@ the KV transfer's host identity, so two replicas on different Ray nodes never tr
 """
 
 import os
-import socket
 import threading
 import time
 from typing import Any
 
 import httpx
+
+from kvyard.net import free_port
 
 
 def parse_serve_argv(argv: list[str], deploy: dict[str, Any] | None = None) -> tuple[Any, Any]:
@@ -31,12 +32,6 @@ def parse_serve_argv(argv: list[str], deploy: dict[str, Any] | None = None) -> t
     return configs_from_args(args, DeployConfig(**deploy) if deploy else None)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class ReplicaActor:
     def __init__(self, serve_argv: list[str], num_threads: int, host: str | None = None,
                  deploy: dict[str, Any] | None = None, cluster_token: str | None = None):
@@ -53,7 +48,7 @@ class ReplicaActor:
         torch.set_num_threads(num_threads)
         self.engine_config, self.settings = parse_serve_argv([*serve_argv, "--num-threads", str(num_threads)],
                                                              deploy)
-        self.settings.host, self.settings.port = host, _free_port(host)
+        self.settings.host, self.settings.port = host, free_port(host)
         self.settings.cluster_token = cluster_token or self.settings.cluster_token
         self.url = f"http://{host}:{self.settings.port}"
         self.error: BaseException | None = None

@@ -123,8 +123,7 @@ class LLMEngine:
         for cache, layer in zip(caches, model.layers, strict=True):
             cache.key_smoothing = layer.qk_scale
         if self._workers is not None:  # rank 0 of the ranks it started: each step goes to them first
-            self.runner = DrivingRunner(model, caches, cfg.block_size, self.kv_groups)
-            self.runner.pipes = self._workers.pipes
+            self.runner = DrivingRunner(self._workers.pipes, model, caches, cfg.block_size, self.kv_groups)
         else:
             self.runner = ModelRunner(model, caches, cfg.block_size, self.kv_groups)
         self.offload = self._offload(caches)

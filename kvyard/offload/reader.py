@@ -1,4 +1,4 @@
-"""Reads blocks from the tiers of bytes (disk, Redis) on a thread of their own, so the engine keeps stepping the
+"""Reads blocks from the tiers of bytes (disk, Redis) on threads of their own, so the engine keeps stepping the
 running requests while a waiting request's prefix comes back (vLLM's "waiting for remote KVs", SGLang HiCache's
 prefetch). A few threads: a remote tier's reads wait mostly on the network, and the rest (file reads, the CRC)
 releases the GIL, so a prompt's blocks are read side by side.
@@ -47,11 +47,6 @@ class BlockReader:
             with self._lock:  # done: a later request reads it again (or finds it in the pool by then)
                 self._reading.pop((tier, h), None)
         return ReadResult(entry, time.perf_counter() - started)
-
-    @property
-    def busy(self) -> bool:
-        with self._lock:
-            return bool(self._reading)
 
     def wait(self, timeout: float) -> None:
         """Until a read finishes, or `timeout` seconds (the engine has nothing else to do)."""

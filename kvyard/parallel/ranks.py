@@ -12,7 +12,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import socket
 from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvyard.engine.model_runner import ModelRunner, StepInput
+from kvyard.net import free_port
 from kvyard.parallel.comm import join_group, leave_group
 
 if TYPE_CHECKING:
@@ -50,12 +50,6 @@ class Workers:
         leave_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_workers(cfg: "EngineConfig", size: int) -> Workers:
     """Spawn ranks 1..size-1 and join the group as rank 0 (which waits for them to join too)."""
     ctx = multiprocessing.get_context("spawn")
@@ -83,7 +77,9 @@ def start_workers(cfg: "EngineConfig", size: int) -> Workers:
 class DrivingRunner(ModelRunner):
     """Rank 0's runner: every step's inputs go to the other ranks before it runs its own share."""
 
-    pipes: list[Connection] = []
+    def __init__(self, pipes: list[Connection], *runner_args: Any):
+        super().__init__(*runner_args)
+        self.pipes = pipes
 
     def execute(self, step: StepInput) -> torch.Tensor:
         data = pickle.dumps((step.input_ids, step.positions, step.meta, step.logits_indices))

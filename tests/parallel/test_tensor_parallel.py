@@ -10,8 +10,8 @@ import torch
 from kvyard import LLM, SamplingParams
 from kvyard.errors import ConfigError
 from kvyard.models.config import ModelConfig
+from kvyard.net import free_port
 from kvyard.parallel.comm import current_group
-from kvyard.parallel.ranks import free_port
 from kvyard.parallel.tensor import check_tensor_parallel, local_config
 from tests.tiny import make_tiny_checkpoint
 
