@@ -27,12 +27,21 @@ class GlooGroup:
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.all_reduces = 0  # collectives so far, and the bytes they carried (per rank, before the exchange)
         self.bytes_reduced = 0
+        self.gathers = 0  # and the all-gathers (the logits' vocabulary shares)
+        self.bytes_gathered = 0
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t)
         self.all_reduces += 1
         self.bytes_reduced += t.numel() * t.element_size()
         return t
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        shares = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(shares, t.contiguous())
+        self.gathers += 1
+        self.bytes_gathered += t.numel() * t.element_size()
+        return shares
 
     def close(self) -> None:
         if dist.is_initialized():

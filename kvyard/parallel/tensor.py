@@ -4,7 +4,9 @@
   the ranks whose query heads use it (rank r holds KV head r * kv_heads // ranks).
 - o_proj and down_proj: row-parallel; each rank's product is a partial sum, all-reduced before the residual add.
 - gate|up: column-parallel, by the intermediate dimension.
-- The embedding, norms and LM head are whole on every rank (vocabulary-parallel ones are the next step).
+- The embedding and LM head: vocabulary-parallel. Rank r holds rows vocab_range(r) of each; a token's embedding
+  comes from the rank that holds its row (the others add zeros, all-reduced), and the logits' slices are
+  all-gathered. The norms are whole on every rank.
 
 A rank's model is the family's own decoder built for the rank's share (heads, KV heads, intermediate size
 divided by the ranks), loading a checkpoint whose tensors `shard_tensor` slices by their global HF names, so one
@@ -17,6 +19,7 @@ from dataclasses import replace
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from kvyard.errors import ConfigError
 from kvyard.models.config import ModelConfig
@@ -33,6 +36,7 @@ _COLUMN_KV_HEADS = re.compile(_LAYER + r"self_attn\.[kv]_proj\.(weight|bias)$")
 _ROW_HEADS = re.compile(_LAYER + r"self_attn\.o_proj\.weight$")
 _COLUMN_FFN = re.compile(_LAYER + r"mlp\.(gate|up)_proj\.weight$")
 _ROW_FFN = re.compile(_LAYER + r"mlp\.down_proj\.weight$")
+_VOCAB = re.compile(r"(model\.embed_tokens|lm_head)\.weight$")
 
 
 class Collective(Protocol):
@@ -42,6 +46,10 @@ class Collective(Protocol):
     size: int
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (the same shape on each), in rank order, on every rank."""
+        ...
 
 
 def valid_tensor_parallel_sizes(cfg: ModelConfig, most: int = 64) -> list[int]:
@@ -73,6 +81,14 @@ def local_config(cfg: ModelConfig, ranks: int) -> ModelConfig:
                    intermediate_size=cfg.intermediate_size // ranks)
 
 
+def vocab_range(vocab_size: int, rank: int, ranks: int) -> tuple[int, int]:
+    """The rows [start, stop) of the embedding and LM head that rank `rank` holds: near-equal shares, the
+    first `vocab_size % ranks` ranks one row more (a vocabulary need not divide by the ranks)."""
+    share, extra = divmod(vocab_size, ranks)
+    start = rank * share + min(rank, extra)
+    return start, start + share + (rank < extra)
+
+
 def kv_head_of(cfg: ModelConfig, rank: int, ranks: int) -> int:
     """With fewer KV heads than ranks: the one KV head rank `rank` holds (its query heads' group)."""
     return rank * cfg.num_kv_heads // ranks
@@ -94,6 +110,9 @@ def shard_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, rank: int, ranks:
         return _chunk(t, 1, rank, ranks)
     if _COLUMN_FFN.match(name):
         return _chunk(t, 0, rank, ranks)
+    if _VOCAB.match(name):
+        start, stop = vocab_range(cfg.vocab_size, rank, ranks)
+        return t[start:stop].contiguous()
     return t
 
 
@@ -118,15 +137,34 @@ class TensorParallelDecoder(DecoderModel):
                  max_positions: int, max_rows: int | None = None):
         self.full_config = cfg
         self.group = group
-        super().__init__(local_config(cfg, group.size), dtype, device, max_positions, max_rows)
+        self.vocab_range = vocab_range(cfg.vocab_size, group.rank, group.size)
+        self.vocab_shares = [stop - start for start, stop in
+                             (vocab_range(cfg.vocab_size, r, group.size) for r in range(group.size))]
+        self.vocab_share = self.vocab_shares[0]  # the largest: every rank's logits are padded to it to gather
+        start, stop = self.vocab_range
+        share = replace(local_config(cfg, group.size), vocab_size=stop - start)
+        super().__init__(share, dtype, device, max_positions, max_rows)
 
     def load(self, tensors: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], source: str) -> None:
         full = self.full_config
-        # The embedding's shape check and names are the whole model's; only the layers are sliced
         super().load(shard_stream(tensors, full, self.group.rank, self.group.size), source)
 
     def _decode_stack(self) -> torch.ScriptObject | None:
         return None  # the C++ stack runs every layer at once, with no all-reduce between them
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        start, stop = self.vocab_range
+        mine = (input_ids >= start) & (input_ids < stop)
+        rows = F.embedding((input_ids - start).clamp_(0, stop - start - 1), self.embed)
+        # Exactly one rank holds each token's row and the others add zeros: the sum is that row, unrounded
+        return self.group.all_reduce_(rows.mul_(mine.unsqueeze(-1).to(rows.dtype)))
+
+    def logits(self, last: torch.Tensor) -> torch.Tensor:
+        mine = super().logits(last)
+        pad = self.vocab_share - mine.shape[-1]
+        # Gathered on every rank: ranks launched from outside each sample, as rank 0 does
+        shares = self.group.all_gather(F.pad(mine, (0, pad)) if pad else mine)
+        return torch.cat([s[:, :rows] for s, rows in zip(shares, self.vocab_shares, strict=True)], dim=-1)
 
     def _attention(self, h: torch.Tensor, layer: LayerWeights, cache: LayerKV, *args: object) -> torch.Tensor:
         return self.group.all_reduce_(super()._attention(h, layer, cache, *args))  # type: ignore[arg-type]

@@ -71,23 +71,31 @@ def _single(path) -> tuple[list[list[int]], list[torch.Tensor], LLM]:
     return want, [single.engine.compute_logits(single.tokenizer(p).input_ids) for p in PROMPTS], single
 
 
-@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("qwen3", {}),
-                                            # one KV head for two ranks: replicated on both
-                                            ("llama", {"num_key_value_heads": 1})])
-def test_two_ranks_give_the_single_process_tokens(tmp_path, arch, overrides):
-    """LLM(tensor_parallel_size=2) starts rank 1 itself and drives it, step by step."""
+@pytest.mark.parametrize("arch,overrides,ranks", [
+    ("llama", {}, 2), ("qwen2", {}, 2), ("qwen3", {}, 2),
+    ("llama", {"num_key_value_heads": 1}, 2),  # one KV head for two ranks: replicated on both
+    ("llama", {"tie_word_embeddings": True}, 2),  # one vocabulary share serves the embedding and the head
+    # three ranks, and a vocabulary they do not divide (401 rows: 134, 134, 133)
+    ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 96,
+               "vocab_size": 401}, 3)])
+def test_ranks_give_the_single_process_tokens(tmp_path, arch, overrides, ranks):
+    """LLM(tensor_parallel_size=N) starts ranks 1..N-1 itself and drives them, step by step."""
     path = make_tiny_checkpoint(tmp_path / arch, arch, **overrides)
     want, want_logits, single = _single(path)
-    with LLM(str(path), dtype="float32", tensor_parallel_size=2) as llm:
+    with LLM(str(path), dtype="float32", tensor_parallel_size=ranks) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
         for prompt, theirs in zip(PROMPTS, want_logits, strict=True):
             ours = llm.engine.compute_logits(llm.tokenizer(prompt).input_ids)
             assert (ours - theirs).abs().max().item() <= LOGIT_ATOL
         cfg = single.engine.model_config
         # rank 0 holds its share of the KV heads (a whole one where there are fewer heads than ranks)
-        assert llm.engine.runner.kv_caches[0].k.shape[1] == max(1, cfg.num_kv_heads // 2)
-        # two partial sums a layer and step: attention's and the MLP's
-        assert current_group().all_reduces >= 2 * cfg.num_layers * len(PROMPTS)
+        assert llm.engine.runner.kv_caches[0].k.shape[1] == max(1, cfg.num_kv_heads // ranks)
+        model = llm.engine.runner.model
+        assert model.embed.shape[0] == model.lm_head.shape[0] == -(-cfg.vocab_size // ranks)  # its vocabulary share
+        # a step's partial sums: the embedding's, then attention's and the MLP's in each layer
+        group = current_group()
+        assert group.all_reduces >= (2 * cfg.num_layers + 1) * len(PROMPTS)
+        assert group.gathers >= len(PROMPTS)  # the logits' shares
     assert current_group() is None  # closing the engine stopped rank 1 and left the group
 
 
@@ -141,4 +149,32 @@ def test_a_rank_holds_only_its_slice_of_the_weights():
     assert torch.equal(shard_tensor(name + "self_attn.q_proj.weight", q, cfg, 1, 2), q[4:])
     assert torch.equal(shard_tensor(name + "self_attn.k_proj.weight", k, cfg, 1, 2), k)  # the one KV head, whole
     assert torch.equal(shard_tensor(name + "mlp.down_proj.weight", down, cfg, 0, 2), down[:, :3])
-    assert torch.equal(shard_tensor("model.embed_tokens.weight", q, cfg, 1, 2), q)
+    embed = torch.arange(10 * 8).view(10, 8)
+    assert torch.equal(shard_tensor("model.embed_tokens.weight", embed, cfg, 1, 2), embed[5:])
+    assert torch.equal(shard_tensor("lm_head.weight", embed, cfg, 2, 3), embed[7:])  # 10 rows: 4, 3, 3
+    assert torch.equal(shard_tensor("model.norm.weight", embed[0], cfg, 1, 2), embed[0])  # whole on each rank
+
+
+def _real_model_ranks_match(path, ranks: int) -> None:
+    prompts = PROMPTS[:2]
+    with LLM(str(path), dtype="float32", max_model_len=256) as single:
+        want = [o.outputs[0].token_ids for o in single.generate(prompts, GREEDY)]
+        want_logits = [single.engine.compute_logits(single.tokenizer(p).input_ids) for p in prompts]
+    with LLM(str(path), dtype="float32", max_model_len=256, tensor_parallel_size=ranks) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
+        for prompt, theirs in zip(prompts, want_logits, strict=True):
+            ours = llm.engine.compute_logits(llm.tokenizer(prompt).input_ids)
+            assert (ours - theirs).abs().max().item() <= LOGIT_ATOL
+
+
+def test_smollm2_on_three_ranks(smollm2_path):
+    """9 heads and 3 KV heads: one KV head, three query heads and a third of the vocabulary a rank."""
+    _real_model_ranks_match(smollm2_path, 3)
+
+
+@pytest.mark.slow
+def test_qwen25_coder_on_two_ranks():
+    """14 heads and 2 KV heads; fetches the 491 MB checkpoint."""
+    from kvyard.loader.registry import resolve_model
+
+    _real_model_ranks_match(resolve_model("qwen2.5-coder-0.5b"), 2)
