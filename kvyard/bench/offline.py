@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kvyard.bench import peers
+from kvyard.bench import parallel, peers
 from kvyard.bench.output import emit_json, machine_info
 from kvyard.bench.workload import Workload, random_workload
 from kvyard.cli.engine_args import add_engine_args, engine_config_from_args
@@ -78,6 +78,8 @@ def _ratios(rounds: list[dict], med: dict) -> dict:
         "batch1_throughput_vs_hf": ("kvyard.batch1.tok_s", "hf.batch1.tok_s"),
         "batch1_itl_vs_llama_cpp": ("kvyard.batch1.itl_ms", "llama.cpp.batch1.itl_ms"),
         "batch1_throughput_vs_llama_cpp": ("kvyard.batch1.tok_s", "llama.cpp.batch1.tok_s"),
+        "batch_throughput_vs_tp1": ("kvyard.batch.tok_s", "kvyard-tp1.batch.tok_s"),
+        "batch1_throughput_vs_tp1": ("kvyard.batch1.tok_s", "kvyard-tp1.batch1.tok_s"),
     }
     out = {}
     for name, (a, b) in pairs.items():
@@ -89,6 +91,8 @@ def _ratios(rounds: list[dict], med: dict) -> dict:
 def run_offline_bench(args: argparse.Namespace) -> int:
     cfg = engine_config_from_args(args)
     llm = LLM(config=cfg)
+    # A parallel replica runs against the same engine on one process, in turns (rank 0 shares this process)
+    tp1 = parallel.SingleProcessBaseline(cfg, torch.get_num_threads()) if cfg.tensor_parallel_size > 1 else None
 
     def workload(seed: int) -> tuple[Workload, Workload]:
         # Fresh prompts every round, and batch-1 prompts apart from the batch's: a repeated prompt would
@@ -116,17 +120,25 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     # Warm-up at full size, so one-time costs (kernel setup per shape, allocator growth) hit no round.
     warm, _ = workload(seed=args.repeats + 1)
     kvyard_batch(llm, warm)
+    if tp1 is not None:
+        tp1.run(kvyard_batch, warm)
     if hf is not None:
         hf.static_batch(warm, pad)
     hits_before = llm.engine.blocks.hit_tokens
+    comm = parallel.CommCounter(llm) if tp1 is not None else None
     rounds = []
     for r in range(args.repeats):
         work, single = workload(seed=r)
         row = {"kvyard.batch.tok_s": kvyard_batch(llm, work)}
+        if tp1 is not None:
+            row["kvyard-tp1.batch.tok_s"] = tp1.run(kvyard_batch, work)
         if hf is not None:
             row["hf.batch.tok_s"] = work.output_tokens / hf.static_batch(work, pad)
         b1 = kvyard_batch1(llm, single)
         row["kvyard.batch1.tok_s"], row["kvyard.batch1.itl_ms"] = b1["output_tokens_per_s"], b1["itl_ms_p50"]
+        if tp1 is not None:
+            b1 = tp1.run(kvyard_batch1, single)
+            row["kvyard-tp1.batch1.tok_s"], row["kvyard-tp1.batch1.itl_ms"] = b1["output_tokens_per_s"], b1["itl_ms_p50"]
         if hf is not None:
             row["hf.batch1.tok_s"] = single.output_tokens / hf.one_at_a_time(single, pad)
         if lcpp is not None:
@@ -134,6 +146,9 @@ def run_offline_bench(args: argparse.Namespace) -> int:
             row["llama.cpp.batch1.tok_s"], row["llama.cpp.batch1.itl_ms"] = lc["output_tokens_per_s"], lc["itl_ms_p50"]
         print(f"round {r + 1}/{args.repeats}: " + ", ".join(f"{k}={v:.1f}" for k, v in row.items()), file=sys.stderr)
         rounds.append(row)
+    layout = None if tp1 is None else parallel.layout_report(llm, tp1, comm)
+    if tp1 is not None:
+        tp1.close()
     if hf is not None:
         hf.close()
     if lcpp is not None:
@@ -151,6 +166,7 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         # Prompt tokens kvyard served from its prefix cache in the timed rounds: 0 keeps the peers even.
         "kvyard_prefix_hit_tokens": llm.engine.blocks.hit_tokens - hits_before,
         "hf_process": None if hf is None else ("shared" if args.hf_in_process else "own"),
+        "parallel": layout,
         "median": med,
         "ratios": _ratios(rounds, med),
         "rounds": rounds,

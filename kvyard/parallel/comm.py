@@ -1,7 +1,8 @@
 """A parallel replica's communication: the group of ranks a process belongs to, and its collectives.
 
 `GlooGroup` runs them through torch.distributed over gloo (TCP, on one host or across hosts), each with a timeout,
-so a dead peer ends a collective with an error instead of a hang. A process joins one group (`join_group`)
+so a dead peer ends a collective with an error instead of a hang. `SharedMemoryGroup` (shm.py), for ranks on one
+host, runs them through a shared-memory segment instead (gloo only sets it up). A process joins one group (`join_group`)
 before it builds its engine; the engine takes it from `current_group()`.
 """
 
@@ -51,13 +52,25 @@ class GlooGroup:
 _current: GlooGroup | None = None
 
 
-def join_group(rank: int, size: int, master: str = "127.0.0.1:29531",
-               timeout_s: float = DEFAULT_TIMEOUT_S) -> GlooGroup:
-    """Join this process to a group of `size` ranks; the engines it builds from then on are its rank's share."""
+COMMS = ("shm", "gloo")
+
+
+def join_group(rank: int, size: int, master: str = "127.0.0.1:29531", timeout_s: float = DEFAULT_TIMEOUT_S,
+               comm: str = "shm") -> GlooGroup:
+    """Join this process to a group of `size` ranks; the engines it builds from then on are its rank's share.
+    `comm`: shm (every rank on this host) or gloo (ranks on several hosts)."""
     global _current
     if _current is not None:
         raise ConfigError("this process is already in a parallel group", param="rank")
-    _current = GlooGroup(rank, size, master, timeout_s)
+    if comm not in COMMS:
+        raise ConfigError(f"tensor_parallel_comm must be one of {', '.join(COMMS)}, not {comm!r}",
+                          param="tensor_parallel_comm")
+    if comm == "shm":
+        from kvyard.parallel.shm import SharedMemoryGroup
+
+        _current = SharedMemoryGroup(rank, size, master, timeout_s)
+    else:
+        _current = GlooGroup(rank, size, master, timeout_s)
     return _current
 
 

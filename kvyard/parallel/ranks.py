@@ -67,7 +67,7 @@ def start_workers(cfg: "EngineConfig", size: int) -> Workers:
         processes.append(p)
         pipes.append(theirs)
     try:
-        join_group(0, size, master)
+        join_group(0, size, master, comm=cfg.tensor_parallel_comm)
     except BaseException:
         Workers(processes, pipes).stop(timeout=1)
         raise
@@ -92,7 +92,7 @@ def _worker_main(rank: int, size: int, master: str, cfg: dict[str, Any], pipe: C
     from kvyard.config import EngineConfig
     from kvyard.engine.llm_engine import LLMEngine
 
-    join_group(rank, size, master)
+    join_group(rank, size, master, comm=cfg["tensor_parallel_comm"])
     try:
         follow(LLMEngine(EngineConfig(**cfg)), pipe, parent)
     finally:

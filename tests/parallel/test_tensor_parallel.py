@@ -1,8 +1,7 @@
-"""Tensor parallelism: two ranks, each a process holding half of every layer and of the KV cache, exchanging
-partial sums over gloo, give the single-process engine's greedy tokens and its logits within 1e-3."""
+"""Tensor parallelism: ranks, each a process holding its share of every layer and of the KV cache, exchanging
+partial sums through shared memory (or gloo), give the single-process engine's greedy tokens and its logits within 1e-3."""
 
 import multiprocessing
-import queue
 
 import pytest
 import torch
@@ -10,9 +9,9 @@ import torch
 from kvyard import LLM, SamplingParams
 from kvyard.errors import ConfigError
 from kvyard.models.config import ModelConfig
-from kvyard.net import free_port
 from kvyard.parallel.comm import current_group
 from kvyard.parallel.tensor import check_tensor_parallel, local_config
+from tests.parallel.spawn import spawn_ranks
 from tests.tiny import make_tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -42,24 +41,7 @@ def _rank(rank: int, size: int, port: int, path: str, results: "multiprocessing.
 
 
 def _run_ranks(path, size: int) -> dict[int, dict]:
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, size, port, str(path), results), daemon=True) for r in range(size)]
-    for p in procs:
-        p.start()
-    got: dict[int, dict] = {}
-    try:
-        for _ in range(size):
-            rank, result = results.get(timeout=RANK_TIMEOUT_S)
-            got[rank] = result
-    except queue.Empty:
-        pytest.fail(f"ranks {sorted(set(range(size)) - set(got))} sent nothing in {RANK_TIMEOUT_S} s")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    got = spawn_ranks(_rank, size, str(path), wait_s=RANK_TIMEOUT_S)
     errors = {r: g["error"] for r, g in got.items() if "error" in g}
     assert not errors, errors
     return got
@@ -73,6 +55,7 @@ def _single(path) -> tuple[list[list[int]], list[torch.Tensor], LLM]:
 
 @pytest.mark.parametrize("arch,overrides,ranks", [
     ("llama", {}, 2), ("qwen2", {}, 2), ("qwen3", {}, 2),
+    ("llama", {"tensor_parallel_comm": "gloo"}, 2),  # TCP, as across hosts, instead of shared memory
     ("llama", {"num_key_value_heads": 1}, 2),  # one KV head for two ranks: replicated on both
     ("llama", {"tie_word_embeddings": True}, 2),  # one vocabulary share serves the embedding and the head
     # three ranks, and a vocabulary they do not divide (401 rows: 134, 134, 133)
@@ -80,9 +63,10 @@ def _single(path) -> tuple[list[list[int]], list[torch.Tensor], LLM]:
                "vocab_size": 401}, 3)])
 def test_ranks_give_the_single_process_tokens(tmp_path, arch, overrides, ranks):
     """LLM(tensor_parallel_size=N) starts ranks 1..N-1 itself and drives them, step by step."""
+    comm = overrides.pop("tensor_parallel_comm", "shm")
     path = make_tiny_checkpoint(tmp_path / arch, arch, **overrides)
     want, want_logits, single = _single(path)
-    with LLM(str(path), dtype="float32", tensor_parallel_size=ranks) as llm:
+    with LLM(str(path), dtype="float32", tensor_parallel_size=ranks, tensor_parallel_comm=comm) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
         for prompt, theirs in zip(PROMPTS, want_logits, strict=True):
             ours = llm.engine.compute_logits(llm.tokenizer(prompt).input_ids)
@@ -94,6 +78,7 @@ def test_ranks_give_the_single_process_tokens(tmp_path, arch, overrides, ranks):
         assert model.embed.shape[0] == model.lm_head.shape[0] == -(-cfg.vocab_size // ranks)  # its vocabulary share
         # a step's partial sums: the embedding's, then attention's and the MLP's in each layer
         group = current_group()
+        assert type(group).__name__ == {"shm": "SharedMemoryGroup", "gloo": "GlooGroup"}[comm]
         assert group.all_reduces >= (2 * cfg.num_layers + 1) * len(PROMPTS)
         assert group.gathers >= len(PROMPTS)  # the logits' shares
     assert current_group() is None  # closing the engine stopped rank 1 and left the group

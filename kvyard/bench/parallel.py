@@ -1,0 +1,89 @@
+"""A parallel replica against one process in the same run (`kvyard bench offline --tensor-parallel-size N`).
+
+The single-process baseline gets every core's threads; each rank of the parallel replica gets its share (rank 0
+runs in this process, so the bench sets torch's thread count before each system's turn). Beside throughput it
+reports what the layout costs: collectives and bytes moved per step and per generated token, and the weight
+memory each rank holds.
+"""
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from kvyard.config import EngineConfig
+from kvyard.llm import LLM
+from kvyard.parallel.comm import current_group
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def weight_bytes(llm: LLM) -> int:
+    """The bytes of the weights this process's model holds (each storage once: a tied head is the embedding)."""
+    seen: dict[int, int] = {}
+    for t in llm.engine.runner.model.weight_tensors():
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class SingleProcessBaseline:
+    """The same engine configuration on one process with all the cores, run in turn with the parallel one."""
+
+    def __init__(self, cfg: EngineConfig, parallel_threads: int):
+        self.threads = os.cpu_count() or 1
+        self.parallel_threads = parallel_threads
+        with torch_threads(self.threads):
+            self.llm = LLM(config=replace(cfg, tensor_parallel_size=1, num_threads=self.threads))
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with torch_threads(self.threads):
+            return fn(self.llm, *args)
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+class CommCounter:
+    """The group's collectives and bytes over a span of steps of `llm`'s engine."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.group = current_group()
+        self.start = self._now()
+
+    def _now(self) -> dict[str, int]:
+        g, stats = self.group, self.llm.engine.stats
+        return {"collectives": g.all_reduces + g.gathers, "bytes": g.bytes_reduced + g.bytes_gathered,
+                "steps": stats["steps"], "tokens": stats["generation_tokens"]}
+
+    def per_step_and_token(self) -> dict[str, float]:
+        now = self._now()
+        d = {k: now[k] - self.start[k] for k in now}
+        steps, tokens = max(1, d["steps"]), max(1, d["tokens"])
+        return {"collectives_per_step": d["collectives"] / steps, "bytes_per_step": d["bytes"] / steps,
+                "collectives_per_token": d["collectives"] / tokens, "bytes_per_token": d["bytes"] / tokens}
+
+
+def layout_report(llm: LLM, baseline: SingleProcessBaseline, counter: CommCounter) -> dict[str, Any]:
+    group = current_group()
+    return {
+        "tensor_parallel_size": group.size if group else 1,
+        "comm": type(group).__name__ if group else None,
+        "threads_per_rank": baseline.parallel_threads,
+        "baseline_threads": baseline.threads,
+        "weight_bytes_rank0": weight_bytes(llm),
+        "weight_bytes_single_process": weight_bytes(baseline.llm),
+        **counter.per_step_and_token(),
+    }
