@@ -170,6 +170,14 @@ class BlockManager:
         for b in block_ids:
             self._evict(self.blocks[b])
 
+    def forget_cached(self) -> None:
+        """Empty the prefix cache: every free block that held a prefix becomes a plain free block (the KV
+        behind the hashes is gone, as when a tensor-parallel group restarts)."""
+        for b in self.free_cached:
+            self._evict(self.blocks[b])
+            self.free_plain.append(b)
+        self.free_cached.clear()
+
     def _take(self, b: int) -> None:
         blk = self.blocks[b]
         if blk.ref_count == 0:

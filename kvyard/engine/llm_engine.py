@@ -137,10 +137,14 @@ class LLMEngine:
         self._ids = itertools.count()
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
         self.held: dict[str, HeldKV] = {}  # KV of finished prefill-only requests, until pulled (kv_handoff)
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "aborted": 0, "step_seconds": 0.0}
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "aborted": 0, "step_seconds": 0.0,
+                      "rank_restarts": 0}
+        self.restarting = False  # while a tensor-parallel group's ranks restart (the server's /health says so)
         # So that it predicts from the first step: stall-free batching needs it, and so does the offload (its
         # load-or-recompute decision and the tier credits it sends a router price recomputing a block with it)
-        if self.scheduler.stall_free or self.offload is not None:
+        # (not on a rank that follows rank 0's steps: it schedules nothing, and runs rank 0's calibration steps)
+        follows = group is not None and group.driven and group.rank != 0
+        if (self.scheduler.stall_free or self.offload is not None) and not follows:
             calibrate_step_cost(self)
 
     def _parallel_group(self, model: "ModelConfig") -> "GlooGroup | None":
@@ -331,6 +335,23 @@ class LLMEngine:
             events += self.offload.take_events()
         return events
 
+    def _restart_ranks(self) -> None:
+        """Stop the other ranks and start them again, as a gang. Their KV caches start empty, so every request
+        still running is preempted (its prompt recomputed) and the prefix cache forgets what it held."""
+        assert self._workers is not None
+        log.error("a step of this tensor-parallel group failed; restarting its %d other ranks", len(self._workers.pipes))
+        self.restarting = True
+        try:
+            self._workers.stop(timeout=2)
+            self._workers = None
+            self._workers = start_workers(self.cfg, self.cfg.tensor_parallel_size)
+            self.runner.restart(self._workers.pipes, current_group())  # type: ignore[attr-defined]
+            self.scheduler.preempt_all()
+            self.blocks.forget_cached()
+            self.stats["rank_restarts"] += 1
+        finally:
+            self.restarting = False
+
     def close(self) -> None:
         """Stop the ranks this engine started (tensor parallelism); nothing to do otherwise."""
         if self._workers is not None:
@@ -356,11 +377,13 @@ class LLMEngine:
             if self.offload is not None:  # nothing runs: wait for a waiting request's blocks, not in a busy loop
                 self.offload.wait_for_reads(READ_WAIT_S)
             return outputs
+        executed = False
         try:
             with record_function("kvyard.prepare"):
                 step = self.runner.prepare(batch)
             with record_function("kvyard.forward"):
                 logits = self.runner.execute(step)
+            executed = True
             if step.prompt_rows:  # rows past the sampled ones: prompt positions to score
                 sampled_rows = sum(step.num_rows)
                 record_prompt_logprobs(logits[sampled_rows:], step.prompt_rows)
@@ -374,6 +397,9 @@ class LLMEngine:
             for req in batch.requests:
                 self.scheduler.finish(req, "error")
                 outputs.append(self._output(self._tracked[req.request_id]))
+            if self._workers is not None and not executed:
+                # A rank may be gone, or left mid-collective: the ranks no longer step together
+                self._restart_ranks()
             return outputs
         self.stats["steps"] += 1
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):

@@ -177,6 +177,12 @@ class Scheduler:
                 return False
         return True
 
+    def preempt_all(self) -> None:
+        """Every running request back to the waiting queue, its KV to be recomputed (the cache was lost)."""
+        for req in reversed(self.running):
+            self._preempt(req)
+        self.running.clear()
+
     def _preempt(self, req: Request) -> None:
         self.blocks.free(req)
         req.num_computed_tokens = 0

@@ -20,10 +20,14 @@ DEFAULT_TIMEOUT_S = 60.0
 
 
 class GlooGroup:
-    def __init__(self, rank: int, size: int, master: str = "127.0.0.1:29531", timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, rank: int, size: int, master: str = "127.0.0.1:29531", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 driven: bool = False):
         if not 0 <= rank < size:
             raise ConfigError(f"rank {rank} is not in a group of {size}", param="rank")
         self.rank, self.size = rank, size
+        # Rank 0 schedules and sends every step to the others (ranks.py), rather than every rank running the whole
+        # engine on the same requests: the other ranks then only follow, and take part in no step of their own
+        self.driven = driven
         dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.all_reduces = 0  # collectives so far, and the bytes they carried (per rank, before the exchange)
@@ -56,7 +60,7 @@ COMMS = ("shm", "gloo")
 
 
 def join_group(rank: int, size: int, master: str = "127.0.0.1:29531", timeout_s: float = DEFAULT_TIMEOUT_S,
-               comm: str = "shm") -> GlooGroup:
+               comm: str = "shm", driven: bool = False) -> GlooGroup:
     """Join this process to a group of `size` ranks; the engines it builds from then on are its rank's share.
     `comm`: shm (every rank on this host) or gloo (ranks on several hosts)."""
     global _current
@@ -68,9 +72,9 @@ def join_group(rank: int, size: int, master: str = "127.0.0.1:29531", timeout_s:
     if comm == "shm":
         from kvyard.parallel.shm import SharedMemoryGroup
 
-        _current = SharedMemoryGroup(rank, size, master, timeout_s)
+        _current = SharedMemoryGroup(rank, size, master, timeout_s, driven=driven)
     else:
-        _current = GlooGroup(rank, size, master, timeout_s)
+        _current = GlooGroup(rank, size, master, timeout_s, driven=driven)
     return _current
 
 

@@ -67,7 +67,7 @@ def start_workers(cfg: "EngineConfig", size: int) -> Workers:
         processes.append(p)
         pipes.append(theirs)
     try:
-        join_group(0, size, master, comm=cfg.tensor_parallel_comm)
+        join_group(0, size, master, comm=cfg.tensor_parallel_comm, driven=True)
     except BaseException:
         Workers(processes, pipes).stop(timeout=1)
         raise
@@ -81,6 +81,11 @@ class DrivingRunner(ModelRunner):
         super().__init__(*runner_args)
         self.pipes = pipes
 
+    def restart(self, pipes: list[Connection], group: Any) -> None:
+        """Drive a restarted gang: its new pipes, and the new group the model's collectives go through."""
+        self.pipes = pipes
+        self.model.group = group
+
     def execute(self, step: StepInput) -> torch.Tensor:
         data = pickle.dumps((step.input_ids, step.positions, step.meta, step.logits_indices))
         for pipe in self.pipes:
@@ -92,7 +97,7 @@ def _worker_main(rank: int, size: int, master: str, cfg: dict[str, Any], pipe: C
     from kvyard.config import EngineConfig
     from kvyard.engine.llm_engine import LLMEngine
 
-    join_group(rank, size, master, comm=cfg["tensor_parallel_comm"])
+    join_group(rank, size, master, comm=cfg["tensor_parallel_comm"], driven=True)
     try:
         follow(LLMEngine(EngineConfig(**cfg)), pipe, parent)
     finally:

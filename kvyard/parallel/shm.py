@@ -41,8 +41,8 @@ class SharedMemoryGroup(GlooGroup):
     """A GlooGroup (for setting up, and across hosts) whose collectives go through a shared segment."""
 
     def __init__(self, rank: int, size: int, master: str = "127.0.0.1:29531", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 slot_bytes: int = SLOT_BYTES):
-        super().__init__(rank, size, master, timeout_s)
+                 slot_bytes: int = SLOT_BYTES, driven: bool = False):
+        super().__init__(rank, size, master, timeout_s, driven)
         self.timeout_s = timeout_s
         self.slot_bytes = slot_bytes
         header_bytes = size * _HEADER_STRIDE * 8

@@ -56,6 +56,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not engine.is_running:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
+        if engine.restarting:  # a router takes this replica out of rotation until its ranks are back
+            return JSONResponse({"status": "restarting ranks"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

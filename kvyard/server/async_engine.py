@@ -83,6 +83,7 @@ class EngineStats:
     num_open_requests: int = 0  # accepted requests whose final output has not been delivered yet
     num_held_kv: int = 0  # finished prefill-only requests whose KV waits to be pulled (disaggregation)
     num_aborted: int = 0  # requests the engine aborted before they finished (clients gone, cancellations)
+    rank_restarts: int = 0  # times a tensor-parallel group's other ranks were restarted as a gang
     # Speculative decoding (kvyard/spec/stats.py); all zero when it is off.
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -205,6 +206,12 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopped.is_set()
+
+    @property
+    def restarting(self) -> bool:
+        """Whether the engine is restarting its tensor-parallel ranks (requests wait; /health says 503)."""
+        engine = getattr(self, "_engine", None)
+        return bool(engine is not None and engine.restarting)
 
     def offload_credits(self) -> dict[str, float]:
         """Per offload tier (KV-event medium), the credit a router gives its blocks (from any thread)."""
@@ -451,6 +458,7 @@ class AsyncEngine:
             num_open_requests=len(self._sinks),
             num_held_kv=len(eng.held),
             num_aborted=stats["aborted"],
+            rank_restarts=stats["rank_restarts"],
         )
         moes = [layer.moe for layer in eng.runner.model.layers if layer.moe is not None]
         if moes:

@@ -35,6 +35,8 @@ class _EngineCollector(Collector):
                                 value=s.num_held_kv)
         yield CounterMetricFamily("kvyard_num_preemptions", "Requests preempted to free KV blocks",
                                   value=s.num_preemptions)
+        yield CounterMetricFamily("kvyard_rank_restarts", "Times the other ranks of this tensor-parallel replica "
+                                  "were restarted as a gang", value=s.rank_restarts)
         yield CounterMetricFamily("kvyard_prefill_chunks_limited",
                                   "Prompt chunks shortened so that running streams keep their inter-token target",
                                   value=s.num_limited_chunks)

@@ -95,14 +95,27 @@ def test_ranks_launched_from_outside_step_together(tmp_path):
             assert (torch.tensor(ours) - theirs).abs().max().item() <= LOGIT_ATOL
 
 
-def test_a_dead_rank_fails_the_request_and_not_the_engine(tiny_checkpoint):
-    with LLM(str(tiny_checkpoint("llama")), dtype="float32", tensor_parallel_size=2) as llm:
-        assert llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].finish_reason == "length"
-        worker = llm.engine._workers.processes[0]
-        worker.kill()
-        worker.join(10)
-        out = llm.generate(PROMPTS[:1], GREEDY)[0]
-        assert out.outputs[0].finish_reason == "error"
+def test_a_rank_killed_mid_stream_ends_that_request_and_the_group_restarts(tiny_checkpoint):
+    """The stream gets an error (its tokens so far were right), the other ranks restart as a gang, and the next
+    requests get the single process's tokens again."""
+    path = tiny_checkpoint("llama")
+    want, _, _ = _single(path)
+    with LLM(str(path), dtype="float32", tensor_parallel_size=2) as llm:
+        before = llm.engine._workers.processes[0]
+        outs = []
+        for out in llm.stream(PROMPTS[0], GREEDY):
+            outs.append(out)
+            if len(outs) == 3:
+                before.kill()
+                before.join(10)
+        final = outs[-1].outputs[0]
+        assert final.finish_reason == "error"
+        assert 3 <= len(final.token_ids) < len(want[0]) and final.token_ids == want[0][: len(final.token_ids)]
+        assert llm.engine.stats["rank_restarts"] == 1
+        after = llm.engine._workers.processes[0]
+        assert after.pid != before.pid and after.is_alive()
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    assert current_group() is None
 
 
 def test_sizes_that_do_not_divide_the_model_name_the_ones_that_do():
