@@ -86,6 +86,8 @@ class EngineConfig:
     # Tensor parallelism (kvyard/parallel/): this engine is one rank's share of the weights and KV cache, in the
     # process's group of this many ranks (kvyard.parallel.comm.join_group), each rank stepping the same batches
     tensor_parallel_size: int = 1
+    # Pipeline parallelism (kvyard/parallel/pipeline.py): the layers split into this many stages, one process each
+    pipeline_parallel_size: int = 1
     # How the ranks an engine starts itself exchange partial sums: shm (a shared-memory segment, one host) or gloo
     tensor_parallel_comm: str = "shm"
     # Quantize linear weights while loading (int8, int4-g128, ...), or `gguf`: keep a GGUF file's

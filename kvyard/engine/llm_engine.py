@@ -34,6 +34,15 @@ from kvyard.loader.registry import resolve_model
 from kvyard.models.build import build_model
 from kvyard.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvyard.parallel.comm import current_group
+from kvyard.parallel.pipeline import (
+    PipelineDriver,
+    PipelineStageDecoder,
+    check_pipeline_parallel,
+    current_stage,
+    pool_config,
+    stage_config,
+    start_stages,
+)
 from kvyard.parallel.ranks import DrivingRunner, Workers, start_workers
 from kvyard.parallel.tensor import TensorParallelDecoder, check_tensor_parallel, local_config
 from kvyard.quant.kv_smoothing import smooth_keys
@@ -93,11 +102,13 @@ class LLMEngine:
         if device.type == "cpu":
             cpu_kernels.available()  # build (first run on a machine) or load them now, not in the first request
             keep_freed_memory()
+        self._refuse_with_parallelism(ckpt.config)
         group = self._parallel_group(ckpt.config)
+        stage, stages = self._pipeline_stage(ckpt.config)
         # What this process holds: with tensor parallelism, its rank's share of the heads (and of the KV cache)
         local = ckpt.config if group is None else local_config(ckpt.config, group.size)
         self.kv_groups = KVGroups.of(local)
-        num_blocks, window_blocks = pool_sizes(local, self.kv_groups, cfg.block_size, cfg.dtype,
+        num_blocks, window_blocks = pool_sizes(pool_config(local, stages), self.kv_groups, cfg.block_size, cfg.dtype,
                                                cfg.kv_cache_memory, cfg.kv_cache_dtype, cfg.max_num_seqs,
                                                cfg.token_budget)
         context = min(ckpt.config.max_position_embeddings, cfg.max_model_len or 1 << 62)
@@ -107,7 +118,10 @@ class LLMEngine:
             # Every layer slides: a request holds only its window and the chunk it computes, however long.
             if (num_blocks - 2) * cfg.block_size >= self.kv_groups.window + cfg.token_budget:
                 self.max_model_len = context
-        if group is None:
+        if stages > 1:
+            model = PipelineStageDecoder(ckpt.config, stage, stages, cfg.dtype, device,
+                                         max_positions=self.max_model_len, max_rows=cfg.token_budget)
+        elif group is None:
             model = build_model(ckpt.config, cfg.dtype, device, max_positions=self.max_model_len,
                                 max_rows=cfg.token_budget)
         else:
@@ -118,12 +132,14 @@ class LLMEngine:
             smooth_keys(model, self.tokenizer, max_len=min(256, self.max_model_len))
         self.blocks = self._block_pools(num_blocks, window_blocks)
         self.scheduler = Scheduler(cfg, self.blocks)
-        caches = allocate_kv_caches(local, num_blocks, cfg.block_size, cfg.dtype, device, cfg.kv_cache_dtype,
+        caches = allocate_kv_caches(stage_config(local, stage, stages), num_blocks, cfg.block_size, cfg.dtype, device, cfg.kv_cache_dtype,
                                     self.kv_groups, window_blocks)
         for cache, layer in zip(caches, model.layers, strict=True):
             cache.key_smoothing = layer.qk_scale
-        if self._workers is not None:  # rank 0 of the ranks it started: each step goes to them first
-            self.runner = DrivingRunner(self._workers.pipes, model, caches, cfg.block_size, self.kv_groups)
+        if self._workers is not None and stages > 1:  # stage 0: each step's hidden states go down the stages
+            self.runner = PipelineDriver(self._workers, model, caches, cfg.block_size, self.kv_groups)
+        elif self._workers is not None:  # rank 0 of the ranks it started: each step goes to them first
+            self.runner = DrivingRunner(self._workers, model, caches, cfg.block_size, self.kv_groups)
         else:
             self.runner = ModelRunner(model, caches, cfg.block_size, self.kv_groups)
         self.offload = self._offload(caches)
@@ -143,7 +159,7 @@ class LLMEngine:
         # So that it predicts from the first step: stall-free batching needs it, and so does the offload (its
         # load-or-recompute decision and the tier credits it sends a router price recomputing a block with it)
         # (not on a rank that follows rank 0's steps: it schedules nothing, and runs rank 0's calibration steps)
-        follows = group is not None and group.driven and group.rank != 0
+        follows = (group is not None and group.driven and group.rank != 0) or stage != 0
         if (self.scheduler.stall_free or self.offload is not None) and not follows:
             calibrate_step_cost(self)
 
@@ -153,12 +169,6 @@ class LLMEngine:
         if ranks == 1:
             return None
         check_tensor_parallel(model, ranks)
-        for name, value, why in (("kv_offload_host_memory", cfg.kv_offload_host_memory or cfg.kv_offload_disk
-                                  or cfg.kv_offload_redis, "offload tiers"),
-                                 ("kv_cache_dtype", cfg.kv_cache_dtype == "int8", "an int8 KV cache"),
-                                 ("speculative_method", cfg.speculative_method == "speculator", "a speculator")):
-            if value:
-                raise ConfigError(f"tensor parallelism does not yet work with {why}", param=name)
         group = current_group()
         if group is None:  # start the other ranks, and be rank 0
             self._workers = start_workers(cfg, ranks)
@@ -167,6 +177,37 @@ class LLMEngine:
             raise ConfigError(f"tensor_parallel_size {ranks} does not match this process's group of "
                               f"{group.size if group else 0} ranks", param="tensor_parallel_size")
         return group
+
+    def _refuse_with_parallelism(self, model: "ModelConfig") -> None:
+        cfg = self.cfg
+        if cfg.tensor_parallel_size == 1 and cfg.pipeline_parallel_size == 1:
+            return
+        if cfg.tensor_parallel_size > 1 and cfg.pipeline_parallel_size > 1:
+            raise ConfigError("tensor and pipeline parallelism together are not built yet: choose one",
+                              param="pipeline_parallel_size")
+        for name, value, why in (("kv_offload_host_memory", cfg.kv_offload_host_memory or cfg.kv_offload_disk
+                                  or cfg.kv_offload_redis, "offload tiers"),
+                                 ("kv_cache_dtype", cfg.kv_cache_dtype == "int8", "an int8 KV cache"),
+                                 ("speculative_method", cfg.speculative_method == "speculator", "a speculator")):
+            if value:
+                raise ConfigError(f"model parallelism does not yet work with {why}", param=name)
+
+    def _pipeline_stage(self, model: "ModelConfig") -> tuple[int, int]:
+        """(this process's stage, the stages); with pipeline parallelism, stage 0 starts the others."""
+        stages = self.cfg.pipeline_parallel_size
+        if stages == 1:
+            return 0, 1
+        check_pipeline_parallel(model, stages)
+        if current_stage() is not None:
+            return current_stage()  # type: ignore[return-value]
+        self._workers = start_stages(self.cfg, stages)
+        return 0, stages
+
+    def _start_ranks(self) -> Workers:
+        cfg = self.cfg
+        if cfg.pipeline_parallel_size > 1:
+            return start_stages(cfg, cfg.pipeline_parallel_size)
+        return start_workers(cfg, cfg.tensor_parallel_size)
 
     def _offload(self, caches: "list[LayerKV]") -> "KVOffload | None":
         cfg = self.cfg
@@ -339,13 +380,13 @@ class LLMEngine:
         """Stop the other ranks and start them again, as a gang. Their KV caches start empty, so every request
         still running is preempted (its prompt recomputed) and the prefix cache forgets what it held."""
         assert self._workers is not None
-        log.error("a step of this tensor-parallel group failed; restarting its %d other ranks", len(self._workers.pipes))
+        log.error("a step of this parallel replica failed; restarting its %d other ranks", len(self._workers.processes))
         self.restarting = True
         try:
             self._workers.stop(timeout=2)
             self._workers = None
-            self._workers = start_workers(self.cfg, self.cfg.tensor_parallel_size)
-            self.runner.restart(self._workers.pipes, current_group())  # type: ignore[attr-defined]
+            self._workers = self._start_ranks()
+            self.runner.restart(self._workers)  # type: ignore[attr-defined]
             self.scheduler.preempt_all()
             self.blocks.forget_cached()
             self.stats["rank_restarts"] += 1

@@ -130,20 +130,30 @@ class DecoderModel:
         def weight(*names: str, gate_up: bool = False) -> Weight:
             return pack_weight(self._weight([take(n) for n in names], source), self.max_rows, gate_up)
 
-        self.embed = take("model.embed_tokens.weight")
-        self.final_norm = self._norm_weight(take("model.norm.weight"))
-        head = w.pop("lm_head.weight", None) if cfg.tie_word_embeddings else take("lm_head.weight")
-        # A quantized head is kept even for tied embeddings: the lookup table stays dense.
-        tied = head is None or (cfg.tie_word_embeddings and not isinstance(head, QuantizedTensor))
-        self.lm_head = self.embed if tied else self._weight([head], source)  # type: ignore[list-item]
-        self.layers = [self._layer(i, take, weight) for i in range(cfg.num_layers)]
+        if self.holds_embedding or (self.holds_head and cfg.tie_word_embeddings):
+            self.embed = take("model.embed_tokens.weight")
+        if self.holds_head:
+            self.final_norm = self._norm_weight(take("model.norm.weight"))
+            head = w.pop("lm_head.weight", None) if cfg.tie_word_embeddings else take("lm_head.weight")
+            # A quantized head is kept even for tied embeddings: the lookup table stays dense.
+            tied = head is None or (cfg.tie_word_embeddings and not isinstance(head, QuantizedTensor))
+            self.lm_head = self.embed if tied else self._weight([head], source)  # type: ignore[list-item]
+        self.layers = [self._layer(i, take, weight) for i in self.layer_indices()]
         expected = (cfg.vocab_size, cfg.hidden_size)
-        if tuple(self.embed.shape) != expected:
+        if self.embed is not None and tuple(self.embed.shape) != expected:
             raise CheckpointError(
                 f"{source}: embed_tokens has shape {tuple(self.embed.shape)}, config says {expected}"
             )
         if self.device.type == "cpu":
             move_to_huge_pages(self.weight_tensors())
+
+    # What of the checkpoint this model holds: every layer, the embedding and the head. A pipeline stage holds
+    # its share (kvyard/parallel/pipeline.py); layer indices and weight names stay global.
+    holds_embedding = True
+    holds_head = True
+
+    def layer_indices(self) -> range:
+        return range(self.cfg.num_layers)
 
     def _norm_weight(self, t: torch.Tensor) -> torch.Tensor:
         """A norm's weight as the kernels take it (x_normed * w); Gemma's (1 + w) overrides this."""
@@ -194,16 +204,20 @@ class DecoderModel:
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Run one step over a flat batch of tokens; return fp32 logits for the rows in logits_indices."""
-        eps = self.cfg.rms_norm_eps
+        x = self.run_layers(self.embed_tokens(input_ids), positions, meta, kv_caches)
+        return self.logits(rms_norm(x[logits_indices], self.final_norm, self.cfg.rms_norm_eps))
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                   kv_caches: list[LayerKV]) -> torch.Tensor:
+        """Every layer this model holds on the residual stream `x`, in place (and returned)."""
         ropes = self.rotary(positions)
-        x = self.embed_tokens(input_ids)
         stack = self._decode_stack() if cpu_kernels.decode_stack_enabled() and takes_step(x, meta, kv_caches) else None
         if stack is not None and all(meta.windowed(layer.window) is meta for layer in self.layers):
             run_decode_stack(stack, x, meta, kv_caches, *ropes[0])
         else:
             for layer, cache, (cos, sin) in zip(self.layers, kv_caches, ropes, strict=True):
                 self.run_layer(x, layer, cache, meta, cos, sin)
-        return self.logits(rms_norm(x[logits_indices], self.final_norm, eps))
+        return x
 
     def logits(self, last: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the final-normed rows `last`."""

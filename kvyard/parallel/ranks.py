@@ -12,7 +12,8 @@ import logging
 import multiprocessing
 import os
 import pickle
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ import torch
 
 from kvyard.engine.model_runner import ModelRunner, StepInput
 from kvyard.net import free_port
-from kvyard.parallel.comm import join_group, leave_group
+from kvyard.parallel.comm import current_group, join_group, leave_group
 
 if TYPE_CHECKING:
     from kvyard.config import EngineConfig
@@ -35,7 +36,8 @@ STOP = b"stop"
 @dataclass
 class Workers:
     processes: list[multiprocessing.process.BaseProcess]
-    pipes: list[Connection]
+    pipes: list[Connection]  # what rank 0 writes each step to
+    returns: list[Connection] = field(default_factory=list)  # what it reads back (a pipeline's logits)
 
     def stop(self, timeout: float = 10.0) -> None:
         for pipe in self.pipes:
@@ -77,14 +79,14 @@ def start_workers(cfg: "EngineConfig", size: int) -> Workers:
 class DrivingRunner(ModelRunner):
     """Rank 0's runner: every step's inputs go to the other ranks before it runs its own share."""
 
-    def __init__(self, pipes: list[Connection], *runner_args: Any):
+    def __init__(self, workers: Workers, *runner_args: Any):
         super().__init__(*runner_args)
-        self.pipes = pipes
+        self.pipes = workers.pipes
 
-    def restart(self, pipes: list[Connection], group: Any) -> None:
+    def restart(self, workers: Workers) -> None:
         """Drive a restarted gang: its new pipes, and the new group the model's collectives go through."""
-        self.pipes = pipes
-        self.model.group = group
+        self.pipes = workers.pipes
+        self.model.group = current_group()
 
     def execute(self, step: StepInput) -> torch.Tensor:
         data = pickle.dumps((step.input_ids, step.positions, step.meta, step.logits_indices))
@@ -107,6 +109,13 @@ def _worker_main(rank: int, size: int, master: str, cfg: dict[str, Any], pipe: C
 def follow(engine: "LLMEngine", pipe: Connection, parent: int) -> None:
     """Run rank 0's steps on this rank's share until it says stop, or is gone."""
     runner = engine.runner
+    for data in incoming(pipe, parent):
+        input_ids, positions, meta, logits_indices = pickle.loads(data)
+        runner.model.forward(input_ids, positions, meta, runner.kv_caches, logits_indices)
+
+
+def incoming(pipe: Connection, parent: int) -> Iterator[bytes]:
+    """The messages on a rank's inbound pipe, until rank 0 says stop, closes it, or its process is gone."""
     while True:
         if not pipe.poll(POLL_S):
             if os.getppid() != parent:
@@ -119,5 +128,4 @@ def follow(engine: "LLMEngine", pipe: Connection, parent: int) -> None:
             return
         if data == STOP:
             return
-        input_ids, positions, meta, logits_indices = pickle.loads(data)
-        runner.model.forward(input_ids, positions, meta, runner.kv_caches, logits_indices)
+        yield data

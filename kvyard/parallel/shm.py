@@ -145,7 +145,7 @@ class SharedMemoryGroup(GlooGroup):
 
     def _check_peers(self, now: float, deadline: float) -> None:
         for pid in self._peers:
-            if not _alive(pid):
+            if not process_alive(pid):
                 raise PeerLostError(f"rank process {pid} of this tensor-parallel group is gone")
         if now > deadline:
             raise PeerLostError(f"a collective waited {self.timeout_s:.0f} s for the other ranks")
@@ -160,7 +160,7 @@ class SharedMemoryGroup(GlooGroup):
         super().close()
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether process `pid` runs: a dead child not yet reaped still answers kill(pid, 0), so read its state."""
     try:
         with open(f"/proc/{pid}/stat") as f:

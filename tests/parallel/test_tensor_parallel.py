@@ -95,20 +95,25 @@ def test_ranks_launched_from_outside_step_together(tmp_path):
             assert (torch.tensor(ours) - theirs).abs().max().item() <= LOGIT_ATOL
 
 
+def stream_killing_a_rank(llm: LLM):
+    """Stream PROMPTS[0], killing the engine's first other rank after 3 tokens: (the final output, that rank)."""
+    before = llm.engine._workers.processes[0]
+    outs = []
+    for out in llm.stream(PROMPTS[0], GREEDY):
+        outs.append(out)
+        if len(outs) == 3:
+            before.kill()
+            before.join(10)
+    return outs[-1].outputs[0], before
+
+
 def test_a_rank_killed_mid_stream_ends_that_request_and_the_group_restarts(tiny_checkpoint):
     """The stream gets an error (its tokens so far were right), the other ranks restart as a gang, and the next
     requests get the single process's tokens again."""
     path = tiny_checkpoint("llama")
     want, _, _ = _single(path)
     with LLM(str(path), dtype="float32", tensor_parallel_size=2) as llm:
-        before = llm.engine._workers.processes[0]
-        outs = []
-        for out in llm.stream(PROMPTS[0], GREEDY):
-            outs.append(out)
-            if len(outs) == 3:
-                before.kill()
-                before.join(10)
-        final = outs[-1].outputs[0]
+        final, before = stream_killing_a_rank(llm)
         assert final.finish_reason == "error"
         assert 3 <= len(final.token_ids) < len(want[0]) and final.token_ids == want[0][: len(final.token_ids)]
         assert llm.engine.stats["rank_restarts"] == 1

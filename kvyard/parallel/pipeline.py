@@ -1,0 +1,180 @@
+"""Pipeline parallelism: the layers split into stages, each stage a process holding only its layers' weights
+and KV cache.
+
+Stage 0 (the engine that schedules and samples) embeds the step's tokens and runs its layers; the hidden
+states go down a pipe to stage 1 with the step's inputs, which runs its layers and passes them on; the last
+stage holds the final norm and the LM head and sends the logits back to stage 0. The residual stream is the
+only state that crosses a stage (the decoder adds each layer's outputs to it in place). Layer indices and
+weight names stay global, so one loader serves every layout: a stage takes the tensors of its layers.
+
+All stages size their KV pools alike (as if each held the largest share of layers), so the block ids rank 0
+hands out mean the same slots on every stage.
+"""
+
+import multiprocessing
+import os
+import pickle
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, replace
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvyard.engine.model_runner import ModelRunner, StepInput
+from kvyard.errors import ConfigError
+from kvyard.models.config import ModelConfig
+from kvyard.models.decoder import DecoderModel, rms_norm
+from kvyard.models.kv_layer import LayerKV
+from kvyard.parallel.ranks import POLL_S, STOP, Workers, incoming
+from kvyard.parallel.shm import PeerLostError, process_alive
+from kvyard.parallel.tensor import TP_MODEL_TYPES
+from kvyard.quant.qtensor import QuantizedTensor
+
+if TYPE_CHECKING:
+    from kvyard.config import EngineConfig
+    from kvyard.engine.llm_engine import LLMEngine
+    from kvyard.models.attention import AttentionMetadata
+
+
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+_stage: tuple[int, int] | None = None  # (stage, stages) of a process started as a later stage
+
+
+def stage_layers(num_layers: int, stage: int, stages: int) -> range:
+    """The global indices of stage `stage`'s layers: contiguous, near-equal shares, the first stages one more."""
+    share, extra = divmod(num_layers, stages)
+    start = stage * share + min(stage, extra)
+    return range(start, start + share + (stage < extra))
+
+
+def check_pipeline_parallel(cfg: ModelConfig, stages: int) -> None:
+    if cfg.model_type not in TP_MODEL_TYPES:
+        raise ConfigError(f"pipeline parallelism supports {', '.join(TP_MODEL_TYPES)} for now, not {cfg.model_type}",
+                          param="pipeline_parallel_size")
+    if not 1 <= stages <= cfg.num_layers:
+        raise ConfigError(f"pipeline_parallel_size {stages} must be between 1 and the model's {cfg.num_layers} "
+                          "layers", param="pipeline_parallel_size")
+
+
+def pool_config(cfg: ModelConfig, stages: int) -> ModelConfig:
+    """The model as every stage sizes its KV pool: the largest stage's layers (stage 0's)."""
+    return replace(cfg, num_layers=len(stage_layers(cfg.num_layers, 0, stages)))
+
+
+def stage_config(cfg: ModelConfig, stage: int, stages: int) -> ModelConfig:
+    """The model as a stage allocates its KV cache: its own layers."""
+    return replace(cfg, num_layers=len(stage_layers(cfg.num_layers, stage, stages)))
+
+
+def current_stage() -> tuple[int, int] | None:
+    return _stage
+
+
+class PipelineStageDecoder(DecoderModel):
+    """The layers of one stage; the first also embeds, the last also normalises and computes the logits."""
+
+    def __init__(self, cfg: ModelConfig, stage: int, stages: int, dtype: torch.dtype, device: torch.device,
+                 max_positions: int, max_rows: int | None = None):
+        super().__init__(cfg, dtype, device, max_positions, max_rows)
+        self.stage, self.stages = stage, stages
+        self.holds_embedding = stage == 0
+        self.holds_head = stage == stages - 1
+
+    def layer_indices(self) -> range:
+        return stage_layers(self.cfg.num_layers, self.stage, self.stages)
+
+    def load(self, tensors: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], source: str) -> None:
+        super().load(((name, t) for name, t in tensors if self._holds(name)), source)
+
+    def _holds(self, name: str) -> bool:
+        layer = _LAYER_INDEX.match(name)
+        if layer:
+            return int(layer.group(1)) in self.layer_indices()
+        if name == "model.embed_tokens.weight":
+            return self.holds_embedding or (self.holds_head and self.cfg.tie_word_embeddings)
+        return self.holds_head  # the final norm and the LM head
+
+    @torch.inference_mode()
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, meta: "AttentionMetadata",
+                kv_caches: list[LayerKV], logits_indices: torch.Tensor) -> torch.Tensor:
+        """Stage 0 takes the token ids, a later stage the hidden states of the one before; the last stage
+        returns fp32 logits for the rows in logits_indices, the others their hidden states."""
+        x = self.embed_tokens(inputs) if self.holds_embedding else inputs
+        x = self.run_layers(x, positions, meta, kv_caches)
+        if not self.holds_head:
+            return x
+        return self.logits(rms_norm(x[logits_indices], self.final_norm, self.cfg.rms_norm_eps))
+
+
+class PipelineDriver(ModelRunner):
+    """Stage 0's runner: its layers, then the hidden states down the pipeline, then the logits back."""
+
+    def __init__(self, workers: Workers, *runner_args: Any):
+        super().__init__(*runner_args)
+        self.workers = workers
+
+    def restart(self, workers: Workers) -> None:
+        self.workers = workers
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        hidden = super().execute(step)
+        self.workers.pipes[0].send_bytes(pickle.dumps((hidden, step.positions, step.meta, step.logits_indices)))
+        return pickle.loads(receive(self.workers.returns[0], self.workers.processes))
+
+
+def receive(pipe: Connection, processes: list[multiprocessing.process.BaseProcess]) -> bytes:
+    """The next message on `pipe`, or PeerLostError as soon as a stage is gone (never a hang)."""
+    while not pipe.poll(POLL_S):
+        gone = [p.name for p in processes if not process_alive(p.pid)]  # type: ignore[arg-type]
+        if gone:
+            raise PeerLostError(f"pipeline stage {', '.join(gone)} is gone")
+    try:
+        return pipe.recv_bytes()
+    except (EOFError, OSError) as e:
+        raise PeerLostError("a pipeline stage closed its pipe") from e
+
+
+def start_stages(cfg: "EngineConfig", stages: int) -> Workers:
+    """Spawn stages 1..stages-1, chained by pipes: stage s reads from stage s - 1 and writes to stage s + 1, the
+    last one back to stage 0 (this process)."""
+    ctx = multiprocessing.get_context("spawn")
+    if cfg.num_threads is None:  # the cores shared out between the stages
+        cfg = replace(cfg, num_threads=max(1, (os.cpu_count() or 1) // stages))
+        torch.set_num_threads(cfg.num_threads)
+    links = [ctx.Pipe(duplex=False) for _ in range(stages)]  # link s: (read end, write end) from stage s onwards
+    processes = []
+    for stage in range(1, stages):
+        p = ctx.Process(target=_stage_main, args=(stage, stages, asdict(cfg), links[stage - 1][0], links[stage][1],
+                                                  os.getpid()), name=f"kvyard-stage-{stage}", daemon=True)
+        p.start()
+        processes.append(p)
+    for stage in range(1, stages):  # this process keeps only the first link's write end and the last's read end
+        links[stage - 1][0].close()
+        links[stage][1].close()
+    return Workers(processes, [links[0][1]], returns=[links[-1][0]])
+
+
+def _stage_main(stage: int, stages: int, cfg: dict[str, Any], inbound: Connection, outbound: Connection,
+                parent: int) -> None:
+    global _stage
+    from kvyard.config import EngineConfig
+    from kvyard.engine.llm_engine import LLMEngine
+
+    _stage = (stage, stages)
+    follow_stage(LLMEngine(EngineConfig(**cfg)), inbound, outbound, parent)
+
+
+def follow_stage(engine: "LLMEngine", inbound: Connection, outbound: Connection, parent: int) -> None:
+    """Run this stage's layers on what the stage before sends, and send on what they give, until told to stop."""
+    runner = engine.runner
+    for data in incoming(inbound, parent):
+        hidden, positions, meta, logits_indices = pickle.loads(data)
+        out = runner.model.forward(hidden, positions, meta, runner.kv_caches, logits_indices)
+        # to the next stage with the step's inputs, or (the last stage's logits) back to stage 0
+        outbound.send_bytes(pickle.dumps(out if runner.model.holds_head else (out, positions, meta, logits_indices)))
+    try:
+        outbound.send_bytes(STOP)  # the stages after this one stop too (the last one's goes to stage 0)
+    except OSError:
+        pass

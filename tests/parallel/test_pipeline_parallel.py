@@ -1,0 +1,52 @@
+"""Pipeline parallelism: stages, each a process holding a contiguous share of the layers and of their KV cache,
+passing the hidden states on, give the single-process engine's greedy tokens and its logits within 1e-3."""
+
+import pytest
+
+from kvyard import LLM
+from kvyard.errors import ConfigError
+from kvyard.parallel.pipeline import stage_layers
+from tests.parallel.test_tensor_parallel import GREEDY, LOGIT_ATOL, PROMPTS, _single, stream_killing_a_rank
+from tests.tiny import make_tiny_checkpoint
+
+
+def test_stages_take_contiguous_near_equal_shares():
+    assert [list(stage_layers(5, s, 2)) for s in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [list(stage_layers(4, s, 3)) for s in range(3)] == [[0, 1], [2], [3]]
+    assert [list(stage_layers(30, s, 1)) for s in range(1)] == [list(range(30))]
+
+
+@pytest.mark.parametrize("arch,overrides,stages", [
+    ("llama", {}, 2), ("qwen2", {}, 2), ("qwen3", {}, 2),
+    ("llama", {"tie_word_embeddings": True}, 2),  # the last stage's head is the embedding stage 0 also holds
+    ("llama", {"num_layers": 4}, 3),  # layers 0-1, 2, 3
+])
+def test_stages_give_the_single_process_tokens(tmp_path, arch, overrides, stages):
+    path = make_tiny_checkpoint(tmp_path / arch, arch, **overrides)
+    want, want_logits, single = _single(path)
+    with LLM(str(path), dtype="float32", pipeline_parallel_size=stages) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+        for prompt, theirs in zip(PROMPTS, want_logits, strict=True):
+            ours = llm.engine.compute_logits(llm.tokenizer(prompt).input_ids)
+            assert (ours - theirs).abs().max().item() <= LOGIT_ATOL
+        model = llm.engine.runner.model  # stage 0's: the embedding and its layers, no head
+        layers = single.engine.model_config.num_layers
+        assert len(model.layers) == len(llm.engine.runner.kv_caches) == len(stage_layers(layers, 0, stages))
+        assert model.final_norm is None and (model.lm_head is None)
+        assert len(llm.engine._workers.processes) == stages - 1
+
+
+def test_a_stage_killed_mid_stream_ends_that_request_and_the_stages_restart(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    want, _, _ = _single(path)
+    with LLM(str(path), dtype="float32", pipeline_parallel_size=2) as llm:
+        final, before = stream_killing_a_rank(llm)
+        assert final.finish_reason == "error"
+        assert llm.engine.stats["rank_restarts"] == 1
+        assert llm.engine._workers.processes[0].pid != before.pid
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+
+
+def test_more_stages_than_layers_is_refused(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="between 1 and the model's 2 layers"):
+        LLM(str(tiny_checkpoint("llama")), dtype="float32", pipeline_parallel_size=3)
