@@ -88,6 +88,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Pipeline parallelism (kvyard/parallel/pipeline.py): the layers split into this many stages, one process each
     pipeline_parallel_size: int = 1
+    pipeline_overlap: bool = True  # a batch a stage in flight, so the stages work at once (off: one at a time)
     # How the ranks an engine starts itself exchange partial sums: shm (a shared-memory segment, one host) or gloo
     tensor_parallel_comm: str = "shm"
     # Quantize linear weights while loading (int8, int4-g128, ...), or `gguf`: keep a GGUF file's

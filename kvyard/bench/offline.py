@@ -92,7 +92,8 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     cfg = engine_config_from_args(args)
     llm = LLM(config=cfg)
     # A parallel replica runs against the same engine on one process, in turns (rank 0 shares this process)
-    tp1 = parallel.SingleProcessBaseline(cfg, torch.get_num_threads()) if cfg.tensor_parallel_size > 1 else None
+    split = cfg.tensor_parallel_size > 1 or cfg.pipeline_parallel_size > 1
+    tp1 = parallel.SingleProcessBaseline(cfg, torch.get_num_threads()) if split else None
 
     def workload(seed: int) -> tuple[Workload, Workload]:
         # Fresh prompts every round, and batch-1 prompts apart from the batch's: a repeated prompt would

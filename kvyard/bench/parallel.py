@@ -45,7 +45,8 @@ class SingleProcessBaseline:
         self.threads = os.cpu_count() or 1
         self.parallel_threads = parallel_threads
         with torch_threads(self.threads):
-            self.llm = LLM(config=replace(cfg, tensor_parallel_size=1, num_threads=self.threads))
+            self.llm = LLM(config=replace(cfg, tensor_parallel_size=1, pipeline_parallel_size=1,
+                                          num_threads=self.threads))
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         with torch_threads(self.threads):
@@ -56,7 +57,8 @@ class SingleProcessBaseline:
 
 
 class CommCounter:
-    """The group's collectives and bytes over a span of steps of `llm`'s engine."""
+    """What the ranks exchanged over a span of steps of `llm`'s engine: a tensor-parallel group's collectives,
+    or a pipeline's messages (hidden states down, logits back), and their bytes."""
 
     def __init__(self, llm: LLM):
         self.llm = llm
@@ -64,9 +66,12 @@ class CommCounter:
         self.start = self._now()
 
     def _now(self) -> dict[str, int]:
-        g, stats = self.group, self.llm.engine.stats
-        return {"collectives": g.all_reduces + g.gathers, "bytes": g.bytes_reduced + g.bytes_gathered,
-                "steps": stats["steps"], "tokens": stats["generation_tokens"]}
+        g, stats, runner = self.group, self.llm.engine.stats, self.llm.engine.runner
+        if g is not None:
+            sent = {"collectives": g.all_reduces + g.gathers, "bytes": g.bytes_reduced + g.bytes_gathered}
+        else:
+            sent = {"collectives": getattr(runner, "messages", 0), "bytes": getattr(runner, "bytes_moved", 0)}
+        return {**sent, "steps": stats["steps"], "tokens": stats["generation_tokens"]}
 
     def per_step_and_token(self) -> dict[str, float]:
         now = self._now()
@@ -77,10 +82,13 @@ class CommCounter:
 
 
 def layout_report(llm: LLM, baseline: SingleProcessBaseline, counter: CommCounter) -> dict[str, Any]:
-    group = current_group()
+    group, cfg = current_group(), llm.engine.cfg
     return {
-        "tensor_parallel_size": group.size if group else 1,
-        "comm": type(group).__name__ if group else None,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "pipeline_parallel_size": cfg.pipeline_parallel_size,
+        "pipeline_overlap": cfg.pipeline_overlap,
+        "overlapped_steps": llm.engine.stats["overlapped_steps"],
+        "comm": type(group).__name__ if group else "pipes",
         "threads_per_rank": baseline.parallel_threads,
         "baseline_threads": baseline.threads,
         "weight_bytes_rank0": weight_bytes(llm),

@@ -35,6 +35,7 @@ _HELP = {
     "max_model_len": "context limit (default: the model's)",
     "tensor_parallel_size": "ranks that each hold a share of every layer (heads, KV heads, MLP columns)",
     "pipeline_parallel_size": "stages, one process each, that each hold a contiguous share of the layers",
+    "pipeline_overlap": "keep a batch a stage in flight, so the stages work at once (--no-pipeline-overlap: one batch at a time)",
     "tensor_parallel_comm": "how the ranks exchange partial sums: shm (shared memory, one host) or gloo (TCP)",
     "num_threads": "CPU threads for torch (default: all cores)",
     "kv_cache_dtype": "KV cache storage: auto (the model dtype) or int8",

@@ -5,10 +5,11 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.profiler import record_function
@@ -20,7 +21,7 @@ from kvyard.engine.host_memory import keep_freed_memory
 from kvyard.engine.kv_cache import KVGroups, allocate_kv_caches, pool_sizes
 from kvyard.engine.kv_events import KVEvent
 from kvyard.engine.kv_handoff import HeldKV, select_blocks
-from kvyard.engine.model_runner import ModelRunner
+from kvyard.engine.model_runner import ModelRunner, StepInput
 from kvyard.engine.prompt_logprobs import record_prompt_logprobs
 from kvyard.engine.repetition import RepetitionDetector
 from kvyard.engine.request import Request
@@ -154,8 +155,14 @@ class LLMEngine:
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
         self.held: dict[str, HeldKV] = {}  # KV of finished prefill-only requests, until pulled (kv_handoff)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "aborted": 0, "step_seconds": 0.0,
-                      "rank_restarts": 0}
+                      "rank_restarts": 0, "overlapped_steps": 0}
         self.restarting = False  # while a tensor-parallel group's ranks restart (the server's /health says so)
+        # Pipeline stages overlap: up to one batch a stage in flight (not with speculation, whose drafts are
+        # proposed for every running request)
+        self._overlap = cfg.pipeline_parallel_size > 1 and cfg.pipeline_overlap and stage == 0 and self.spec is None
+        self._in_flight: deque[tuple[ScheduledBatch, StepInput]] = deque()
+        if self._overlap:
+            self.scheduler.microbatches = stages
         # So that it predicts from the first step: stall-free batching needs it, and so does the offload (its
         # load-or-recompute decision and the tier credits it sends a router price recomputing a block with it)
         # (not on a rank that follows rank 0's steps: it schedules nothing, and runs rank 0's calibration steps)
@@ -414,6 +421,8 @@ class LLMEngine:
             batch = self.scheduler.schedule()
         if self.offload is not None:  # blocks evicted while scheduling, out before the forward pass reuses them
             self.offload.write_queued()
+        if self._overlap and (batch.requests or self._in_flight):
+            return self._overlapped_step(batch, outputs)
         if not batch.requests:
             if self.offload is not None:  # nothing runs: wait for a waiting request's blocks, not in a busy loop
                 self.offload.wait_for_reads(READ_WAIT_S)
@@ -425,36 +434,11 @@ class LLMEngine:
             with record_function("kvyard.forward"):
                 logits = self.runner.execute(step)
             executed = True
-            if step.prompt_rows:  # rows past the sampled ones: prompt positions to score
-                sampled_rows = sum(step.num_rows)
-                record_prompt_logprobs(logits[sampled_rows:], step.prompt_rows)
-                logits = logits[:sampled_rows]
-            with record_function("kvyard.sample"):
-                plain, plain_logits, verifying = split_logits(step.sampled, step.num_rows, logits)
-                result = sample(plain_logits, plain)
+            sampled = self._sample(step, logits)
         except Exception:
-            # A failure inside the model or sampler ends this step's requests, never the engine.
-            log.exception("step failed; finishing its %d requests with an error", len(batch.requests))
-            for req in batch.requests:
-                self.scheduler.finish(req, "error")
-                outputs.append(self._output(self._tracked[req.request_id]))
-            if self._workers is not None and not executed:
-                # A rank may be gone, or left mid-collective: the ranks no longer step together
-                self._restart_ranks()
+            self._fail_steps([batch], outputs, restart=not executed)
             return outputs
-        self.stats["steps"] += 1
-        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
-            # Drafts only count as computed once verified (below): blocks holding them are not committed.
-            req.num_computed_tokens += n - len(req.spec_token_ids)
-            self.blocks.commit(req)
-        now = time.monotonic()
-        with record_function("kvyard.emit"):  # detokenization, stop checks, outputs
-            for req, token, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
-                tracked = self._tracked[req.request_id]
-                self._emit(tracked, token, logprob, now)
-                outputs.append(self._output(tracked))
-            for req, rows in verifying:
-                outputs.append(self._verify(req, rows, now))
+        self._emit_step(batch, sampled, outputs)
         # The whole step, as a running stream waits for it: drafting, scheduling, the forward pass, sampling;
         # the cost model leaves out restoring blocks from the offload tiers: it is what their loads are weighed
         # against (a 2,000-token restore in a 16-token step taught it that tokens cost next to nothing).
@@ -463,6 +447,75 @@ class LLMEngine:
         self.scheduler.cost.observe(batch.shape, seconds - restoring)
         self.stats["step_seconds"] += seconds
         return outputs
+
+    def _overlapped_step(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Pipeline stages with batches in flight: launch this step's batch into stage 0, and take the oldest
+        batch's logits once the pipeline holds as many batches as it has stages (or nothing new came). The
+        scheduler passes over the requests in flight, so each batch is a different set of requests."""
+        started = time.perf_counter()
+        involved = [b for b, _ in self._in_flight] + ([batch] if batch.requests else [])
+        try:
+            if batch.requests:
+                step = self.runner.prepare(batch)
+                self.runner.launch(step)  # type: ignore[attr-defined]
+                self.stats["overlapped_steps"] += bool(self._in_flight)  # launched while another batch is in
+                self.scheduler.in_flight.update(req.request_id for req in batch.requests)
+                self._in_flight.append((batch, step))
+            if not self._in_flight or (batch.requests and len(self._in_flight) < self.cfg.pipeline_parallel_size):
+                return outputs  # room in the pipeline: the next step launches another batch first
+            done, step = self._in_flight.popleft()
+            logits = self.runner.collect()  # type: ignore[attr-defined]
+            self.scheduler.in_flight.difference_update(req.request_id for req in done.requests)
+            sampled = self._sample(step, logits)
+        except Exception:
+            self._in_flight.clear()
+            self.scheduler.in_flight.clear()
+            self._fail_steps(involved, outputs, restart=True)
+            return outputs
+        self._emit_step(done, sampled, outputs)
+        self.stats["step_seconds"] += time.perf_counter() - started
+        return outputs
+
+    def _sample(self, step: "StepInput", logits: torch.Tensor) -> tuple[list[Request], Any, list]:
+        if step.prompt_rows:  # rows past the sampled ones: prompt positions to score
+            sampled_rows = sum(step.num_rows)
+            record_prompt_logprobs(logits[sampled_rows:], step.prompt_rows)
+            logits = logits[:sampled_rows]
+        with record_function("kvyard.sample"):
+            plain, plain_logits, verifying = split_logits(step.sampled, step.num_rows, logits)
+            return plain, sample(plain_logits, plain), verifying
+
+    def _fail_steps(self, batches: list[ScheduledBatch], outputs: list[RequestOutput], restart: bool) -> None:
+        """A failure inside the model or sampler ends these steps' requests, never the engine."""
+        requests = [req for batch in batches for req in batch.requests if not req.finished]
+        log.exception("step failed; finishing its %d requests with an error", len(requests))
+        for req in requests:
+            self.scheduler.finish(req, "error")
+            outputs.append(self._output(self._tracked[req.request_id]))
+        if self._workers is not None and restart:
+            # A rank may be gone, or left mid-collective: the ranks no longer step together
+            self._restart_ranks()
+
+    def _emit_step(self, batch: ScheduledBatch, sampled: tuple[list[Request], Any, list],
+                   outputs: list[RequestOutput]) -> None:
+        plain, result, verifying = sampled
+        self.stats["steps"] += 1
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            if req.finished:
+                continue  # aborted while its batch was in the pipeline: its blocks are gone
+            # Drafts only count as computed once verified (below): blocks holding them are not committed.
+            req.num_computed_tokens += n - len(req.spec_token_ids)
+            self.blocks.commit(req)
+        now = time.monotonic()
+        with record_function("kvyard.emit"):  # detokenization, stop checks, outputs
+            for req, token, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
+                if req.finished:
+                    continue
+                tracked = self._tracked[req.request_id]
+                self._emit(tracked, token, logprob, now)
+                outputs.append(self._output(tracked))
+            for req, rows in verifying:
+                outputs.append(self._verify(req, rows, now))
 
     def _verify(self, req: Request, rows: torch.Tensor, now: float) -> RequestOutput:
         """Emit what a speculating request's rows accept; its KV then covers only the accepted drafts."""

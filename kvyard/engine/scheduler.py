@@ -10,6 +10,7 @@ waits behind a big prefill chunk. The first prompt chunk of a step always gets a
 keep moving however many decodes run.
 """
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -62,6 +63,11 @@ class Scheduler:
         self.cost = StepCostModel()  # the engine reports each step's time to it
         self.num_limited_chunks = 0  # prompt chunks the inter-token target shortened
         self.restorer: Restorer | None = None  # the offload tiers (kvyard/offload/), when on
+        # Requests whose batch is still in a pipeline's stages: not scheduled again (nor preempted) until done
+        self.in_flight: set[str] = set()
+        # Batches the requests are shared out over (a pipeline's stages each working on one): a batch takes at
+        # most its share of the requests, leaving the rest for the next
+        self.microbatches = 1
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -87,14 +93,18 @@ class Scheduler:
         budget = self.token_budget
         decodes = StepShape()  # the running streams' next tokens (and drafts): what a prompt chunk must not stall
         for req in self.running if self.stall_free else ():
-            if req.num_tokens - req.num_computed_tokens == 1:
+            if req.num_tokens - req.num_computed_tokens == 1 and req.request_id not in self.in_flight:
                 decodes.add(req.num_computed_tokens, 1 + len(req.spec_token_ids))
         limit = self._step_limit(decodes)
         planned = StepShape(decodes.tokens, decodes.attended)  # decodes, plus the prompt chunks taken so far
+        share = math.ceil((len(self.running) + len(self.waiting)) / self.microbatches)
         # Running requests first, oldest first; the newest is preempted when blocks run out.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(batch.requests) < share:
             req = self.running[i]
+            if req.request_id in self.in_flight:
+                i += 1
+                continue
             missing = req.num_tokens - req.num_computed_tokens
             # A speculating request also verifies its drafts; drafts beyond the budget are dropped.
             n = min(missing + len(req.spec_token_ids), budget)
@@ -115,7 +125,8 @@ class Scheduler:
         if batch.preempted:
             return batch  # memory is tight: do not admit new work this step
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        while (i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs
+               and len(batch.requests) < share):
             req = self.waiting[i]
             if self.restorer is not None and not self.restorer.restore(req):
                 i += 1  # its prefix is still being read from an offload tier: the requests behind it go first
@@ -170,7 +181,8 @@ class Scheduler:
 
     def _make_room(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
         while not self.blocks.can_fit(req, num_tokens):
-            victim = self.running.pop()
+            victim = next(r for r in reversed(self.running) if r.request_id not in self.in_flight)  # req at worst
+            self.running.remove(victim)
             self._preempt(victim)
             batch.preempted.append(victim)
             if victim is req:

@@ -14,7 +14,9 @@ hands out mean the same slots on every stage.
 import multiprocessing
 import os
 import pickle
+import queue
 import re
+import threading
 from collections.abc import Iterable
 from dataclasses import asdict, replace
 from multiprocessing.connection import Connection
@@ -114,14 +116,63 @@ class PipelineDriver(ModelRunner):
     def __init__(self, workers: Workers, *runner_args: Any):
         super().__init__(*runner_args)
         self.workers = workers
+        self.sender = PipeSender(workers.pipes[0])
+        self.messages = 0  # sent down the pipeline and received back, and their bytes (the bench's figures)
+        self.bytes_moved = 0
 
     def restart(self, workers: Workers) -> None:
+        self.sender.close()
         self.workers = workers
+        self.sender = PipeSender(workers.pipes[0])
 
     def execute(self, step: StepInput) -> torch.Tensor:
+        self.launch(step)
+        return self.collect()
+
+    def launch(self, step: StepInput) -> None:
+        """Stage 0's layers on the step, and the hidden states on to stage 1."""
         hidden = super().execute(step)
-        self.workers.pipes[0].send_bytes(pickle.dumps((hidden, step.positions, step.meta, step.logits_indices)))
-        return pickle.loads(receive(self.workers.returns[0], self.workers.processes))
+        data = pickle.dumps((hidden, step.positions, step.meta, step.logits_indices))
+        self.sender.send(data)
+        self._count(data)
+
+    def collect(self) -> torch.Tensor:
+        """The logits of the oldest step launched (the stages keep their order)."""
+        data = receive(self.workers.returns[0], self.workers.processes)
+        self._count(data)
+        return pickle.loads(data)
+
+    def _count(self, data: bytes) -> None:
+        self.messages += 1
+        self.bytes_moved += len(data)
+
+
+class PipeSender:
+    """Writes to a pipe on a thread of its own, in order. With batches in flight, stage 0 would otherwise block
+    writing the next batch's hidden states while the last stage blocks writing the logits stage 0 has not read
+    yet: a pipe holds 64 KiB, a step's logits megabytes."""
+
+    def __init__(self, pipe: Connection):
+        self.pipe = pipe
+        self.queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.error: OSError | None = None
+        threading.Thread(target=self._run, name="kvyard-pipeline-send", daemon=True).start()
+
+    def send(self, data: bytes) -> None:
+        if self.error is not None:
+            raise PeerLostError(f"stage 1's pipe failed: {self.error}")
+        self.queue.put(data)
+
+    def close(self) -> None:
+        self.queue.put(None)
+
+    def _run(self) -> None:
+        while (data := self.queue.get()) is not None:
+            try:
+                self.pipe.send_bytes(data)
+            except OSError as e:  # the stage is gone: the next send, or the logits' read, reports it
+                self.error = e
+                return
 
 
 def receive(pipe: Connection, processes: list[multiprocessing.process.BaseProcess]) -> bytes:

@@ -3,7 +3,7 @@ passing the hidden states on, give the single-process engine's greedy tokens and
 
 import pytest
 
-from kvyard import LLM
+from kvyard import LLM, SamplingParams
 from kvyard.errors import ConfigError
 from kvyard.parallel.pipeline import stage_layers
 from tests.parallel.test_tensor_parallel import GREEDY, LOGIT_ATOL, PROMPTS, _single, stream_killing_a_rank
@@ -34,6 +34,33 @@ def test_stages_give_the_single_process_tokens(tmp_path, arch, overrides, stages
         assert len(model.layers) == len(llm.engine.runner.kv_caches) == len(stage_layers(layers, 0, stages))
         assert model.final_norm is None and (model.lm_head is None)
         assert len(llm.engine._workers.processes) == stages - 1
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stages_work_on_two_batches_at_once(tiny_checkpoint, overlap):
+    """With overlap, the requests are shared out over two batches, one in each stage: the same tokens."""
+    path = tiny_checkpoint("llama")
+    want, _, _ = _single(path)
+    with LLM(str(path), dtype="float32", pipeline_parallel_size=2, pipeline_overlap=overlap) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+        overlapped = llm.engine.stats["overlapped_steps"]
+        # 3 requests: batches of 2 and 1, each launched while the other is in the pipeline, every token
+        assert overlapped >= len(want[0]) if overlap else overlapped == 0
+
+
+def test_batches_in_flight_larger_than_a_pipe_do_not_deadlock(tiny_checkpoint):
+    """Prompt logprobs of long prompts: each batch's logits and hidden states are far more than a pipe holds, so
+    stage 0 must not block writing one batch while the last stage blocks writing the other's logits."""
+    path = tiny_checkpoint("llama")
+    prompts = [" ".join(["paged attention"] * 38), " ".join(["the quick brown fox"] * 75)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    with LLM(str(path), dtype="float32") as single:
+        want = [(o.outputs[0].token_ids, o.prompt_logprobs) for o in single.generate(prompts, params)]
+    with LLM(str(path), dtype="float32", pipeline_parallel_size=2) as llm:
+        got = [(o.outputs[0].token_ids, o.prompt_logprobs) for o in llm.generate(prompts, params)]
+        assert llm.engine.stats["overlapped_steps"] > 0
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
+        assert tokens == want_tokens and len(logprobs) == len(want_logprobs) > 256
 
 
 def test_a_stage_killed_mid_stream_ends_that_request_and_the_stages_restart(tiny_checkpoint):
