@@ -172,13 +172,13 @@ class LLMEngine:
 
     def _parallel_group(self, model: "ModelConfig") -> "GlooGroup | None":
         """The process's group of ranks, with tensor parallelism; None without."""
-        cfg, ranks = self.cfg, self.cfg.tensor_parallel_size
+        ranks = self.cfg.tensor_parallel_size
         if ranks == 1:
             return None
         check_tensor_parallel(model, ranks)
         group = current_group()
         if group is None:  # start the other ranks, and be rank 0
-            self._workers = start_workers(cfg, ranks)
+            self._workers = self._start_ranks()
             group = current_group()
         if group is None or group.size != ranks:
             raise ConfigError(f"tensor_parallel_size {ranks} does not match this process's group of "
@@ -207,10 +207,11 @@ class LLMEngine:
         check_pipeline_parallel(model, stages)
         if current_stage() is not None:
             return current_stage()  # type: ignore[return-value]
-        self._workers = start_stages(self.cfg, stages)
+        self._workers = self._start_ranks()
         return 0, stages
 
     def _start_ranks(self) -> Workers:
+        """Start this replica's other ranks (stages or tensor-parallel ranks) and be their rank 0."""
         cfg = self.cfg
         if cfg.pipeline_parallel_size > 1:
             return start_stages(cfg, cfg.pipeline_parallel_size)

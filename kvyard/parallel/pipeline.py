@@ -29,7 +29,7 @@ from kvyard.errors import ConfigError
 from kvyard.models.config import ModelConfig
 from kvyard.models.decoder import DecoderModel, rms_norm
 from kvyard.models.kv_layer import LayerKV
-from kvyard.parallel.ranks import POLL_S, STOP, Workers, incoming
+from kvyard.parallel.ranks import POLL_S, STOP, Workers, incoming, share_threads
 from kvyard.parallel.shm import PeerLostError, process_alive
 from kvyard.parallel.tensor import TP_MODEL_TYPES
 from kvyard.quant.qtensor import QuantizedTensor
@@ -191,9 +191,7 @@ def start_stages(cfg: "EngineConfig", stages: int) -> Workers:
     """Spawn stages 1..stages-1, chained by pipes: stage s reads from stage s - 1 and writes to stage s + 1, the
     last one back to stage 0 (this process)."""
     ctx = multiprocessing.get_context("spawn")
-    if cfg.num_threads is None:  # the cores shared out between the stages
-        cfg = replace(cfg, num_threads=max(1, (os.cpu_count() or 1) // stages))
-        torch.set_num_threads(cfg.num_threads)
+    cfg = share_threads(cfg, stages)
     links = [ctx.Pipe(duplex=False) for _ in range(stages)]  # link s: (read end, write end) from stage s onwards
     processes = []
     for stage in range(1, stages):

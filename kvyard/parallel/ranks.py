@@ -52,13 +52,21 @@ class Workers:
         leave_group()
 
 
+def share_threads(cfg: "EngineConfig", size: int) -> "EngineConfig":
+    """Without a thread count chosen, the cores shared out between the ranks (this one included), not each rank
+    taking them all."""
+    if cfg.num_threads is not None:
+        return cfg
+    cfg = replace(cfg, num_threads=max(1, (os.cpu_count() or 1) // size))
+    torch.set_num_threads(cfg.num_threads)
+    return cfg
+
+
 def start_workers(cfg: "EngineConfig", size: int) -> Workers:
     """Spawn ranks 1..size-1 and join the group as rank 0 (which waits for them to join too)."""
     ctx = multiprocessing.get_context("spawn")
     master = f"127.0.0.1:{free_port()}"
-    if cfg.num_threads is None:  # the cores shared out between the ranks, not each rank taking them all
-        cfg = replace(cfg, num_threads=max(1, (os.cpu_count() or 1) // size))
-        torch.set_num_threads(cfg.num_threads)
+    cfg = share_threads(cfg, size)
     processes, pipes = [], []
     for rank in range(1, size):
         mine, theirs = ctx.Pipe(duplex=False)  # (read end, write end)
