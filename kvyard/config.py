@@ -88,6 +88,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Pipeline parallelism (kvyard/parallel/pipeline.py): the layers split into this many stages, one process each
     pipeline_parallel_size: int = 1
+    # Expert parallelism (kvyard/parallel/expert.py): the tensor-parallel ranks hold whole experts, a share each,
+    # placed contiguous (runs of experts) or round_robin (expert e on rank e % ranks), instead of every expert sliced
+    enable_expert_parallel: bool = False
+    expert_placement: str = "contiguous"
     pipeline_overlap: bool = True  # a batch a stage in flight, so the stages work at once (off: one at a time)
     # How the ranks an engine starts itself exchange partial sums: shm (a shared-memory segment, one host) or gloo
     tensor_parallel_comm: str = "shm"
@@ -135,6 +139,9 @@ class EngineConfig:
 
             if self.quantization != KEEP_GGUF:
                 parse_weight_scheme(self.quantization)
+        if self.expert_placement not in ("contiguous", "round_robin"):
+            raise InvalidRequestError(f"expert_placement must be contiguous or round_robin, got "
+                                      f"{self.expert_placement!r}", param="expert_placement")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", param=name)

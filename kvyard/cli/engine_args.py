@@ -35,6 +35,9 @@ _HELP = {
     "max_model_len": "context limit (default: the model's)",
     "tensor_parallel_size": "ranks that each hold a share of every layer (heads, KV heads, MLP columns)",
     "pipeline_parallel_size": "stages, one process each, that each hold a contiguous share of the layers",
+    "enable_expert_parallel": "the tensor-parallel ranks hold whole experts, a share each (Mixture-of-Experts models), "
+                              "instead of a slice of every expert",
+    "expert_placement": "which experts a rank holds: contiguous (runs of experts) or round_robin (expert e on rank e %% ranks)",
     "pipeline_overlap": "keep a batch a stage in flight, so the stages work at once (--no-pipeline-overlap: one batch at a time)",
     "tensor_parallel_comm": "how the ranks exchange partial sums: shm (shared memory, one host) or gloo (TCP)",
     "num_threads": "CPU threads for torch (default: all cores)",

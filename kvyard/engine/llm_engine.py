@@ -107,7 +107,8 @@ class LLMEngine:
         group = self._parallel_group(ckpt.config)
         stage, stages = self._pipeline_stage(ckpt.config)
         # What this process holds: with tensor parallelism, its rank's share of the heads (and of the KV cache)
-        local = ckpt.config if group is None else local_config(ckpt.config, group.size)
+        experts = cfg.enable_expert_parallel
+        local = ckpt.config if group is None else local_config(ckpt.config, group.size, experts)
         self.kv_groups = KVGroups.of(local)
         num_blocks, window_blocks = pool_sizes(pool_config(local, stages), self.kv_groups, cfg.block_size, cfg.dtype,
                                                cfg.kv_cache_memory, cfg.kv_cache_dtype, cfg.max_num_seqs,
@@ -127,7 +128,8 @@ class LLMEngine:
                                 max_rows=cfg.token_budget)
         else:
             model = TensorParallelDecoder(ckpt.config, group, cfg.dtype, device, max_positions=self.max_model_len,
-                                          max_rows=cfg.token_budget)
+                                          max_rows=cfg.token_budget,
+                                          expert_placement=cfg.expert_placement if experts else None)
         model.load(self._weights(ckpt), str(path))
         if cfg.kv_cache_dtype == "int8":
             smooth_keys(model, self.tokenizer, max_len=min(256, self.max_model_len))
@@ -175,7 +177,7 @@ class LLMEngine:
         ranks = self.cfg.tensor_parallel_size
         if ranks == 1:
             return None
-        check_tensor_parallel(model, ranks)
+        check_tensor_parallel(model, ranks, self.cfg.enable_expert_parallel)
         group = current_group()
         if group is None:  # start the other ranks, and be rank 0
             self._workers = self._start_ranks()
@@ -187,6 +189,9 @@ class LLMEngine:
 
     def _refuse_with_parallelism(self, model: "ModelConfig") -> None:
         cfg = self.cfg
+        if cfg.enable_expert_parallel and cfg.tensor_parallel_size == 1:
+            raise ConfigError("expert parallelism shares the experts out over the tensor-parallel ranks: set "
+                              "tensor_parallel_size above 1", param="enable_expert_parallel")
         if cfg.tensor_parallel_size == 1 and cfg.pipeline_parallel_size == 1:
             return
         if cfg.tensor_parallel_size > 1 and cfg.pipeline_parallel_size > 1:

@@ -58,6 +58,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0  # qwen2_moe
+    # Expert parallelism (kvyard/parallel/expert.py): the experts of each layer this rank holds; empty: all
+    held_experts: tuple[int, ...] = ()
     qk_norm_whole: bool = False  # olmoe: RMSNorm over all of q's (and of k's) heads at once
     clip_qkv: float | None = None  # olmoe: q, k and v clamped to [-c, c]
     # DeepSeek's routers: sigmoid scores (v3, with a learned bias for the choice) or softmax; experts chosen only

@@ -81,6 +81,9 @@ class MoeWeights:
     norm_topk_prob: bool
     shared: SharedExpert | None = None
     deepseek: DeepSeekRouting | None = None
+    # Expert parallelism: each expert's row in gate_up and down on this rank, -1 where another rank holds it;
+    # None: this rank holds every expert
+    local_index: torch.Tensor | None = None
     # Tokens routed to each expert since the model was loaded (kvyard_moe_* metrics).
     tokens_per_expert: torch.Tensor = field(init=False)
 
@@ -114,6 +117,11 @@ def load_moe(cfg: ModelConfig, layer: int, take: Callable[[str], torch.Tensor], 
              dtype: torch.dtype) -> MoeWeights:
     """`take(name)` pops a checkpoint tensor; `weight(*names, gate_up=)` makes a packed linear weight of some."""
     router, expert_names, shared_names = expert_tensor_names(cfg, layer)
+    local_index = None
+    if cfg.held_experts:
+        expert_names = [expert_names[e] for e in cfg.held_experts]
+        local_index = torch.full((cfg.num_experts,), -1, dtype=torch.long)
+        local_index[list(cfg.held_experts)] = torch.arange(len(cfg.held_experts))
     gates, ups, downs = zip(*[[take(n) for n in names] for names in expert_names], strict=True)
     gate_up: Experts
     down: Experts
@@ -131,7 +139,8 @@ def load_moe(cfg: ModelConfig, layer: int, take: Callable[[str], torch.Tensor], 
         sigmoid = cfg.router_scoring == "sigmoid"
         bias = take(router.replace("weight", "e_score_correction_bias")).float() if sigmoid else None
         deepseek = DeepSeekRouting(sigmoid, bias, cfg.router_groups, cfg.router_topk_groups, cfg.routed_scaling_factor)
-    return MoeWeights(take(router), gate_up, down, cfg.num_experts_per_tok, cfg.norm_topk_prob, shared, deepseek)
+    return MoeWeights(take(router), gate_up, down, cfg.num_experts_per_tok, cfg.norm_topk_prob, shared, deepseek,
+                      local_index)
 
 
 def stack_experts(gates: list[torch.Tensor], ups: list[torch.Tensor], downs: list[torch.Tensor]
@@ -176,20 +185,33 @@ def moe_mlp(x: torch.Tensor, moe: MoeWeights, act_mul: Callable[[torch.Tensor], 
     """The MoE MLP of rows x [tokens, hidden]; `act_mul` is the family's act(gate) * up on [rows, 2 * inter]."""
     weights, experts = route(x, moe)
     flat = experts.flatten()
-    order = flat.argsort(stable=True)  # (token, expert) pairs grouped by expert, ascending; tokens in order
     counts = torch.bincount(flat, minlength=moe.num_experts)
     moe.tokens_per_expert += counts
-    offsets = counts.cumsum(0).to(torch.int32)
-    token = order // moe.top_k
-    h = act_mul(torch._grouped_mm(x[token], _dense(moe.gate_up), offs=offsets))
-    y = torch._grouped_mm(h, _dense(moe.down), offs=offsets).mul_(weights.flatten()[order].unsqueeze(1))
-    # index_add_ walks the rows in order, so each token's experts are added in ascending expert order.
-    out = torch.zeros_like(x).index_add_(0, token, y)
+    out = torch.zeros_like(x)
+    if moe.local_index is None:
+        order = flat.argsort(stable=True)  # (token, expert) pairs grouped by expert, ascending; tokens in order
+    else:  # only the pairs whose expert this rank holds; the others' ranks add theirs in the all-reduce
+        local = moe.local_index[flat]
+        mine = (local >= 0).nonzero().squeeze(1)
+        order = mine[local[mine].argsort(stable=True)]
+        counts = torch.bincount(local[order], minlength=_experts_held(moe))
+    if order.numel():
+        offsets = counts.cumsum(0).to(torch.int32)
+        token = order // moe.top_k
+        h = act_mul(torch._grouped_mm(x[token], _dense(moe.gate_up), offs=offsets))
+        y = torch._grouped_mm(h, _dense(moe.down), offs=offsets).mul_(weights.flatten()[order].unsqueeze(1))
+        # index_add_ walks the rows in order, so each token's experts are added in ascending expert order.
+        out.index_add_(0, token, y)
     if moe.shared is not None:
         s = moe.shared
         shared = linear(act_mul(linear(x, s.gate_up)), s.down)
         out += shared if s.gate is None else torch.sigmoid(F.linear(x, s.gate)) * shared
     return out
+
+
+def _experts_held(moe: MoeWeights) -> int:
+    w = moe.down
+    return (w.q if isinstance(w, LowBitExperts) else w).shape[0]
 
 
 def _dense(w: Experts) -> torch.Tensor:

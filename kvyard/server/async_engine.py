@@ -44,6 +44,7 @@ from kvyard.engine.llm_engine import LLMEngine
 from kvyard.errors import EngineDeadError, KvyardError
 from kvyard.models.moe import routing_stats
 from kvyard.outputs import RequestOutput
+from kvyard.parallel.expert import rank_loads
 from kvyard.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class EngineStats:
     # Mixture of Experts (kvyard/models/moe.py): tokens routed to each expert, summed over layers, and imbalance
     moe_expert_tokens: tuple[int, ...] = ()
     moe_imbalance: float = 0.0
+    moe_rank_tokens: tuple[int, ...] = ()  # expert parallelism: tokens routed to the experts each rank holds
     # KV offload (kvyard/offload/manager.py KVOffload.snapshot): per tier, its counters
     offload: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     # blocks the tiers held that were loaded, or recomputed as cheaper; the prefill time loading saved (estimated)
@@ -463,7 +465,9 @@ class AsyncEngine:
         moes = [layer.moe for layer in eng.runner.model.layers if layer.moe is not None]
         if moes:
             tokens, imbalance = routing_stats(moes)
-            self._stats = dataclasses.replace(self._stats, moe_expert_tokens=tokens, moe_imbalance=imbalance)
+            placement = getattr(eng.runner.model, "expert_placement", None)
+            self._stats = dataclasses.replace(self._stats, moe_expert_tokens=tokens, moe_imbalance=imbalance,
+                                              moe_rank_tokens=rank_loads(tokens, placement) if placement else ())
         if eng.offload is not None:
             decisions = eng.offload.decide.decisions
             self._stats = dataclasses.replace(self._stats, offload=eng.offload.snapshot(),

@@ -59,11 +59,11 @@ class _EngineCollector(Collector):
                                   value=s.spec_emitted_tokens)
         yield CounterMetricFamily("kvyard_spec_drafter_seconds", "Time spent drafting", value=s.spec_drafter_seconds)
         if s.moe_expert_tokens:
-            routed = CounterMetricFamily("kvyard_moe_expert_tokens", "Tokens routed to each expert, summed over the "
-                                         "MoE layers", labels=["expert"])
-            for expert, tokens in enumerate(s.moe_expert_tokens):
-                routed.add_metric([str(expert)], tokens)
-            yield routed
+            yield _counts("kvyard_moe_expert_tokens", "Tokens routed to each expert, summed over the MoE layers",
+                          "expert", s.moe_expert_tokens)
+            if s.moe_rank_tokens:
+                yield _counts("kvyard_moe_rank_tokens", "Expert parallelism: tokens routed to the experts each rank "
+                              "holds, summed over the MoE layers", "rank", s.moe_rank_tokens)
             yield GaugeMetricFamily("kvyard_moe_imbalance", "Per MoE layer, the busiest expert's routed tokens "
                                     "over the mean expert's, averaged over the layers (1 = even)", value=s.moe_imbalance)
         if s.offload:
@@ -71,6 +71,14 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("kvyard_num_steps", "Engine steps", value=s.num_steps)
         yield CounterMetricFamily("kvyard_engine_step_seconds", "Time inside engine steps (the rest of the engine "
                                   "thread's time goes to HTTP, queues and the GIL)", value=s.step_seconds)
+
+
+def _counts(name: str, documentation: str, label: str, counts: tuple[int, ...]) -> Metric:
+    """A counter per index (an expert, a rank): `name{label="i"}` = counts[i]."""
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for i, count in enumerate(counts):
+        family.add_metric([str(i)], count)
+    return family
 
 
 def _offload_metrics(s: EngineStats) -> Iterator[Metric]:

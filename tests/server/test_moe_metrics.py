@@ -36,3 +36,25 @@ def test_routed_tokens_and_imbalance_reach_the_metrics(tiny_checkpoint):
             assert sorted(tokens) == ["0", "1", "2", "3"] and imbalance is not None and 1.0 <= imbalance <= 4.0
     finally:
         engine.shutdown()
+
+
+def test_expert_parallel_ranks_loads_reach_the_metrics(tiny_checkpoint):
+    """Experts round-robin over 2 ranks (0 and 2 on rank 0, 1 and 3 on rank 1): each rank's load is its experts'."""
+    engine = AsyncEngine.from_config(tiny_engine_config(tiny_checkpoint("qwen2_moe"), tensor_parallel_size=2,
+                                                        enable_expert_parallel=True, expert_placement="round_robin"))
+    try:
+        with running_server(engine) as server:
+            r = httpx.post(server.url + "/v1/completions", trust_env=False, timeout=60, json={
+                "prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            tokens, ranks = {}, {}
+            for family in text_string_to_metric_families(httpx.get(server.url + "/metrics", trust_env=False).text):
+                for sample in family.samples:
+                    if sample.name == "kvyard_moe_expert_tokens_total":
+                        tokens[sample.labels["expert"]] = sample.value
+                    elif sample.name == "kvyard_moe_rank_tokens_total":
+                        ranks[sample.labels["rank"]] = sample.value
+            assert sum(tokens.values()) > 0
+            assert ranks == {"0": tokens["0"] + tokens["2"], "1": tokens["1"] + tokens["3"]}
+    finally:
+        engine.shutdown()
