@@ -38,6 +38,7 @@ from kvyard.parallel.comm import current_group
 from kvyard.parallel.pipeline import (
     PipelineDriver,
     PipelineStageDecoder,
+    TensorParallelStage,
     check_pipeline_parallel,
     current_stage,
     pool_config,
@@ -104,8 +105,10 @@ class LLMEngine:
             cpu_kernels.available()  # build (first run on a machine) or load them now, not in the first request
             keep_freed_memory()
         self._refuse_with_parallelism(ckpt.config)
-        group = self._parallel_group(ckpt.config)
-        stage, stages = self._pipeline_stage(ckpt.config)
+        if self._leads_ranks():
+            self._workers = self._start_ranks()
+        group = self._parallel_group()
+        stage, stages = current_stage() or (0, cfg.pipeline_parallel_size)
         # What this process holds: with tensor parallelism, its rank's share of the heads (and of the KV cache)
         experts = cfg.enable_expert_parallel
         local = ckpt.config if group is None else local_config(ckpt.config, group.size, experts)
@@ -120,16 +123,17 @@ class LLMEngine:
             # Every layer slides: a request holds only its window and the chunk it computes, however long.
             if (num_blocks - 2) * cfg.block_size >= self.kv_groups.window + cfg.token_budget:
                 self.max_model_len = context
-        if stages > 1:
-            model = PipelineStageDecoder(ckpt.config, stage, stages, cfg.dtype, device,
-                                         max_positions=self.max_model_len, max_rows=cfg.token_budget)
+        sizes = dict(max_positions=self.max_model_len, max_rows=cfg.token_budget)
+        placement = cfg.expert_placement if experts else None
+        if stages > 1 and group is not None:
+            model = TensorParallelStage(ckpt.config, group, stage, stages, cfg.dtype, device, **sizes,
+                                        expert_placement=placement)
+        elif stages > 1:
+            model = PipelineStageDecoder(ckpt.config, stage, stages, cfg.dtype, device, **sizes)
         elif group is None:
-            model = build_model(ckpt.config, cfg.dtype, device, max_positions=self.max_model_len,
-                                max_rows=cfg.token_budget)
+            model = build_model(ckpt.config, cfg.dtype, device, **sizes)
         else:
-            model = TensorParallelDecoder(ckpt.config, group, cfg.dtype, device, max_positions=self.max_model_len,
-                                          max_rows=cfg.token_budget,
-                                          expert_placement=cfg.expert_placement if experts else None)
+            model = TensorParallelDecoder(ckpt.config, group, cfg.dtype, device, **sizes, expert_placement=placement)
         model.load(self._weights(ckpt), str(path))
         if cfg.kv_cache_dtype == "int8":
             smooth_keys(model, self.tokenizer, max_len=min(256, self.max_model_len))
@@ -139,7 +143,7 @@ class LLMEngine:
                                     self.kv_groups, window_blocks)
         for cache, layer in zip(caches, model.layers, strict=True):
             cache.key_smoothing = layer.qk_scale
-        if self._workers is not None and stages > 1:  # stage 0: each step's hidden states go down the stages
+        if self._workers is not None and stages > 1 and stage == 0:  # each step's hidden states go down the stages
             self.runner = PipelineDriver(self._workers, model, caches, cfg.block_size, self.kv_groups)
         elif self._workers is not None:  # rank 0 of the ranks it started: each step goes to them first
             self.runner = DrivingRunner(self._workers, model, caches, cfg.block_size, self.kv_groups)
@@ -172,16 +176,19 @@ class LLMEngine:
         if (self.scheduler.stall_free or self.offload is not None) and not follows:
             calibrate_step_cost(self)
 
-    def _parallel_group(self, model: "ModelConfig") -> "GlooGroup | None":
-        """The process's group of ranks, with tensor parallelism; None without."""
+    def _leads_ranks(self) -> bool:
+        """Whether this process starts ranks: the replica's first (tensor-parallel peers and later stages), or a
+        later stage's first (its peers). Ranks started or joined from outside are in their group already."""
+        cfg = self.cfg
+        return ((cfg.tensor_parallel_size > 1 and current_group() is None)
+                or (cfg.pipeline_parallel_size > 1 and current_stage() is None))
+
+    def _parallel_group(self) -> "GlooGroup | None":
+        """The process's group of tensor-parallel ranks (its stage's, with pipeline parallelism); None without."""
         ranks = self.cfg.tensor_parallel_size
         if ranks == 1:
             return None
-        check_tensor_parallel(model, ranks, self.cfg.enable_expert_parallel)
         group = current_group()
-        if group is None:  # start the other ranks, and be rank 0
-            self._workers = self._start_ranks()
-            group = current_group()
         if group is None or group.size != ranks:
             raise ConfigError(f"tensor_parallel_size {ranks} does not match this process's group of "
                               f"{group.size if group else 0} ranks", param="tensor_parallel_size")
@@ -194,9 +201,10 @@ class LLMEngine:
                               "tensor_parallel_size above 1", param="enable_expert_parallel")
         if cfg.tensor_parallel_size == 1 and cfg.pipeline_parallel_size == 1:
             return
-        if cfg.tensor_parallel_size > 1 and cfg.pipeline_parallel_size > 1:
-            raise ConfigError("tensor and pipeline parallelism together are not built yet: choose one",
-                              param="pipeline_parallel_size")
+        if cfg.tensor_parallel_size > 1:
+            check_tensor_parallel(model, cfg.tensor_parallel_size, cfg.enable_expert_parallel)
+        if cfg.pipeline_parallel_size > 1:
+            check_pipeline_parallel(model, cfg.pipeline_parallel_size)
         for name, value, why in (("kv_offload_host_memory", cfg.kv_offload_host_memory or cfg.kv_offload_disk
                                   or cfg.kv_offload_redis, "offload tiers"),
                                  ("kv_cache_dtype", cfg.kv_cache_dtype == "int8", "an int8 KV cache"),
@@ -204,23 +212,21 @@ class LLMEngine:
             if value:
                 raise ConfigError(f"model parallelism does not yet work with {why}", param=name)
 
-    def _pipeline_stage(self, model: "ModelConfig") -> tuple[int, int]:
-        """(this process's stage, the stages); with pipeline parallelism, stage 0 starts the others."""
-        stages = self.cfg.pipeline_parallel_size
-        if stages == 1:
-            return 0, 1
-        check_pipeline_parallel(model, stages)
-        if current_stage() is not None:
-            return current_stage()  # type: ignore[return-value]
-        self._workers = self._start_ranks()
-        return 0, stages
-
     def _start_ranks(self) -> Workers:
-        """Start this replica's other ranks (stages or tensor-parallel ranks) and be their rank 0."""
+        """Start this process's tensor-parallel peers (of its stage) and, on stage 0, the later stages, and be
+        their rank 0."""
         cfg = self.cfg
-        if cfg.pipeline_parallel_size > 1:
-            return start_stages(cfg, cfg.pipeline_parallel_size)
-        return start_workers(cfg, cfg.tensor_parallel_size)
+        stage, stages = current_stage() or (0, cfg.pipeline_parallel_size)
+        workers = Workers([], [])
+        if cfg.tensor_parallel_size > 1:
+            workers = start_workers(cfg, cfg.tensor_parallel_size, (stage, stages))
+        if stage == 0 and stages > 1:
+            try:
+                workers = workers.with_stages(start_stages(cfg, stages))
+            except BaseException:
+                workers.stop(timeout=1)
+                raise
+        return workers
 
     def _offload(self, caches: "list[LayerKV]") -> "KVOffload | None":
         cfg = self.cfg

@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvyard.engine.model_runner import ModelRunner, StepInput
+from kvyard.engine.model_runner import StepInput
 from kvyard.errors import ConfigError
 from kvyard.models.config import ModelConfig
 from kvyard.models.decoder import DecoderModel, rms_norm
 from kvyard.models.kv_layer import LayerKV
-from kvyard.parallel.ranks import POLL_S, STOP, Workers, incoming, share_threads
+from kvyard.parallel.ranks import POLL_S, STOP, DrivingRunner, Workers, incoming, share_threads
 from kvyard.parallel.shm import PeerLostError, process_alive
-from kvyard.parallel.tensor import TP_MODEL_TYPES
+from kvyard.parallel.tensor import TP_MODEL_TYPES, Collective, TensorParallelDecoder
 from kvyard.quant.qtensor import QuantizedTensor
 
 if TYPE_CHECKING:
@@ -74,12 +74,20 @@ def current_stage() -> tuple[int, int] | None:
     return _stage
 
 
-class PipelineStageDecoder(DecoderModel):
-    """The layers of one stage; the first also embeds, the last also normalises and computes the logits."""
+def enter_stage(stage: int, stages: int) -> None:
+    """This process holds stage `stage`'s layers (a later stage, or a tensor-parallel peer of any stage)."""
+    global _stage
+    _stage = (stage, stages) if stages > 1 else None
 
-    def __init__(self, cfg: ModelConfig, stage: int, stages: int, dtype: torch.dtype, device: torch.device,
-                 max_positions: int, max_rows: int | None = None):
-        super().__init__(cfg, dtype, device, max_positions, max_rows)
+
+class StageLayers:
+    """What makes a decoder one stage of a pipeline: its layers; the first stage also embeds, the last also
+    normalises and computes the logits. Mixed into the plain and the tensor-parallel decoders."""
+
+    cfg: ModelConfig
+    final_norm: torch.Tensor | None
+
+    def _enter_stage(self, stage: int, stages: int) -> None:
         self.stage, self.stages = stage, stages
         self.holds_embedding = stage == 0
         self.holds_head = stage == stages - 1
@@ -110,20 +118,39 @@ class PipelineStageDecoder(DecoderModel):
         return self.logits(rms_norm(x[logits_indices], self.final_norm, self.cfg.rms_norm_eps))
 
 
-class PipelineDriver(ModelRunner):
-    """Stage 0's runner: its layers, then the hidden states down the pipeline, then the logits back."""
+class PipelineStageDecoder(StageLayers, DecoderModel):
+    def __init__(self, cfg: ModelConfig, stage: int, stages: int, dtype: torch.dtype, device: torch.device,
+                 max_positions: int, max_rows: int | None = None):
+        DecoderModel.__init__(self, cfg, dtype, device, max_positions, max_rows)
+        self._enter_stage(stage, stages)
+
+
+class TensorParallelStage(StageLayers, TensorParallelDecoder):
+    """A stage whose layers are split over the stage's tensor-parallel ranks (a group of their own)."""
+
+    def __init__(self, cfg: ModelConfig, group: Collective, stage: int, stages: int, dtype: torch.dtype,
+                 device: torch.device, max_positions: int, max_rows: int | None = None,
+                 expert_placement: str | None = None):
+        TensorParallelDecoder.__init__(self, cfg, group, dtype, device, max_positions, max_rows, expert_placement)
+        self._enter_stage(stage, stages)
+
+
+class PipelineDriver(DrivingRunner):
+    """Stage 0's runner: its layers (its tensor-parallel peers', if any, too), then the hidden states down the
+    pipeline, then the logits back."""
 
     def __init__(self, workers: Workers, *runner_args: Any):
-        super().__init__(*runner_args)
+        super().__init__(workers, *runner_args)
         self.workers = workers
-        self.sender = PipeSender(workers.pipes[0])
+        self.sender = PipeSender(workers.downstream)  # type: ignore[arg-type]
         self.messages = 0  # sent down the pipeline and received back, and their bytes (the bench's figures)
         self.bytes_moved = 0
 
     def restart(self, workers: Workers) -> None:
+        super().restart(workers)
         self.sender.close()
         self.workers = workers
-        self.sender = PipeSender(workers.pipes[0])
+        self.sender = PipeSender(workers.downstream)  # type: ignore[arg-type]
 
     def execute(self, step: StepInput) -> torch.Tensor:
         self.launch(step)
@@ -191,7 +218,7 @@ def start_stages(cfg: "EngineConfig", stages: int) -> Workers:
     """Spawn stages 1..stages-1, chained by pipes: stage s reads from stage s - 1 and writes to stage s + 1, the
     last one back to stage 0 (this process)."""
     ctx = multiprocessing.get_context("spawn")
-    cfg = share_threads(cfg, stages)
+    cfg = share_threads(cfg)
     links = [ctx.Pipe(duplex=False) for _ in range(stages)]  # link s: (read end, write end) from stage s onwards
     processes = []
     for stage in range(1, stages):
@@ -202,16 +229,18 @@ def start_stages(cfg: "EngineConfig", stages: int) -> Workers:
     for stage in range(1, stages):  # this process keeps only the first link's write end and the last's read end
         links[stage - 1][0].close()
         links[stage][1].close()
-    return Workers(processes, [links[0][1]], returns=[links[-1][0]])
+    return Workers(processes, [], returns=[links[-1][0]], downstream=links[0][1])
 
 
 def _stage_main(stage: int, stages: int, cfg: dict[str, Any], inbound: Connection, outbound: Connection,
                 parent: int) -> None:
-    global _stage
     from kvyard.config import EngineConfig
     from kvyard.engine.llm_engine import LLMEngine
 
-    _stage = (stage, stages)
+    enter_stage(stage, stages)
+    # The stage is a daemon (stage 0 ends it if it exits), and multiprocessing refuses a daemon children: this
+    # stage's tensor-parallel peers. They are safe orphans: each exits once it sees its parent gone (ranks.incoming).
+    multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
     follow_stage(LLMEngine(EngineConfig(**cfg)), inbound, outbound, parent)
 
 
@@ -220,7 +249,8 @@ def follow_stage(engine: "LLMEngine", inbound: Connection, outbound: Connection,
     runner = engine.runner
     for data in incoming(inbound, parent):
         hidden, positions, meta, logits_indices = pickle.loads(data)
-        out = runner.model.forward(hidden, positions, meta, runner.kv_caches, logits_indices)
+        # (a stage's rank 0 sends it to the stage's tensor-parallel peers first)
+        out = runner.execute(StepInput(hidden, positions, meta, logits_indices, sampled=[]))
         # to the next stage with the step's inputs, or (the last stage's logits) back to stage 0
         outbound.send_bytes(pickle.dumps(out if runner.model.holds_head else (out, positions, meta, logits_indices)))
     try:

@@ -35,12 +35,19 @@ STOP = b"stop"
 
 @dataclass
 class Workers:
+    """The processes a replica's rank 0 started: its tensor-parallel peers and, with pipeline parallelism, the
+    later stages (each the rank 0 of its own stage's peers)."""
+
     processes: list[multiprocessing.process.BaseProcess]
-    pipes: list[Connection]  # what rank 0 writes each step to
+    pipes: list[Connection]  # what rank 0 writes each step to: its tensor-parallel peers
     returns: list[Connection] = field(default_factory=list)  # what it reads back (a pipeline's logits)
+    downstream: Connection | None = None  # where a pipeline's hidden states go: stage 1
+
+    def with_stages(self, stages: "Workers") -> "Workers":
+        return Workers(self.processes + stages.processes, self.pipes, stages.returns, stages.downstream)
 
     def stop(self, timeout: float = 10.0) -> None:
-        for pipe in self.pipes:
+        for pipe in self.pipes + ([self.downstream] if self.downstream else []):
             try:
                 pipe.send_bytes(STOP)
             except OSError:
@@ -52,25 +59,27 @@ class Workers:
         leave_group()
 
 
-def share_threads(cfg: "EngineConfig", size: int) -> "EngineConfig":
-    """Without a thread count chosen, the cores shared out between the ranks (this one included), not each rank
-    taking them all."""
+def share_threads(cfg: "EngineConfig") -> "EngineConfig":
+    """Without a thread count chosen, the cores shared out between the replica's processes (every rank of every
+    stage, this one included), not each taking them all."""
     if cfg.num_threads is not None:
         return cfg
-    cfg = replace(cfg, num_threads=max(1, (os.cpu_count() or 1) // size))
+    processes = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+    cfg = replace(cfg, num_threads=max(1, (os.cpu_count() or 1) // processes))
     torch.set_num_threads(cfg.num_threads)
     return cfg
 
 
-def start_workers(cfg: "EngineConfig", size: int) -> Workers:
-    """Spawn ranks 1..size-1 and join the group as rank 0 (which waits for them to join too)."""
+def start_workers(cfg: "EngineConfig", size: int, stage: tuple[int, int] = (0, 1)) -> Workers:
+    """Spawn ranks 1..size-1 and join the group as rank 0 (which waits for them to join too). `stage`: the
+    pipeline stage (of how many) whose layers the group holds."""
     ctx = multiprocessing.get_context("spawn")
     master = f"127.0.0.1:{free_port()}"
-    cfg = share_threads(cfg, size)
+    cfg = share_threads(cfg)
     processes, pipes = [], []
     for rank in range(1, size):
         mine, theirs = ctx.Pipe(duplex=False)  # (read end, write end)
-        p = ctx.Process(target=_worker_main, args=(rank, size, master, asdict(cfg), mine, os.getpid()),
+        p = ctx.Process(target=_worker_main, args=(rank, size, master, asdict(cfg), mine, os.getpid(), stage),
                         name=f"kvyard-rank-{rank}", daemon=True)
         p.start()
         mine.close()
@@ -94,7 +103,8 @@ class DrivingRunner(ModelRunner):
     def restart(self, workers: Workers) -> None:
         """Drive a restarted gang: its new pipes, and the new group the model's collectives go through."""
         self.pipes = workers.pipes
-        self.model.group = current_group()
+        if self.pipes:  # a pipeline's stage 0 without tensor parallelism drives no peers
+            self.model.group = current_group()
 
     def execute(self, step: StepInput) -> torch.Tensor:
         data = pickle.dumps((step.input_ids, step.positions, step.meta, step.logits_indices))
@@ -103,10 +113,13 @@ class DrivingRunner(ModelRunner):
         return super().execute(step)
 
 
-def _worker_main(rank: int, size: int, master: str, cfg: dict[str, Any], pipe: Connection, parent: int) -> None:
+def _worker_main(rank: int, size: int, master: str, cfg: dict[str, Any], pipe: Connection, parent: int,
+                 stage: tuple[int, int]) -> None:
     from kvyard.config import EngineConfig
     from kvyard.engine.llm_engine import LLMEngine
+    from kvyard.parallel.pipeline import enter_stage
 
+    enter_stage(*stage)
     join_group(rank, size, master, comm=cfg["tensor_parallel_comm"], driven=True)
     try:
         follow(LLMEngine(EngineConfig(**cfg)), pipe, parent)

@@ -36,6 +36,38 @@ def test_stages_give_the_single_process_tokens(tmp_path, arch, overrides, stages
         assert len(llm.engine._workers.processes) == stages - 1
 
 
+@pytest.mark.parametrize("arch,parallel", [
+    ("llama", {}), ("qwen2", {}), ("qwen3", {}),
+    ("mixtral", {"enable_expert_parallel": True}),  # a stage's experts shared out over its 2 ranks
+])
+def test_stages_of_tensor_parallel_ranks_give_the_single_process_tokens(tmp_path, arch, parallel):
+    """tp=2 x pp=2: four processes; each stage a group of its own, its rank 0 passing the steps to its peer."""
+    path = make_tiny_checkpoint(tmp_path / arch, arch)
+    want, want_logits, single = _single(path)
+    with LLM(str(path), dtype="float32", tensor_parallel_size=2, pipeline_parallel_size=2, **parallel) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+        for prompt, theirs in zip(PROMPTS, want_logits, strict=True):
+            ours = llm.engine.compute_logits(llm.tokenizer(prompt).input_ids)
+            assert (ours - theirs).abs().max().item() <= LOGIT_ATOL
+        cfg = single.engine.model_config
+        model, caches = llm.engine.runner.model, llm.engine.runner.kv_caches
+        assert len(model.layers) == 1 and model.lm_head is None  # stage 0: layer 0 and the embedding...
+        assert caches[0].k.shape[1] == cfg.num_kv_heads // 2  # ...its rank's half of the KV heads...
+        assert model.embed.shape[0] == -(-cfg.vocab_size // 2)  # ...and half the vocabulary
+        # rank 1 of stage 0, then stage 1 (the rank 0 of its own group, which started its rank 1 itself)
+        assert [p.name for p in llm.engine._workers.processes] == ["kvyard-rank-1", "kvyard-stage-1"]
+        assert llm.engine.stats["overlapped_steps"] > 0
+
+
+def test_a_killed_stage_restarts_with_its_ranks(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    want, _, _ = _single(path)
+    with LLM(str(path), dtype="float32", tensor_parallel_size=2, pipeline_parallel_size=2) as llm:
+        final, _ = stream_killing_a_rank(llm, which=1)  # stage 1, whose own rank 1 then goes too
+        assert final.finish_reason == "error" and llm.engine.stats["rank_restarts"] == 1
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_stages_work_on_two_batches_at_once(tiny_checkpoint, overlap):
     """With overlap, the requests are shared out over two batches, one in each stage: the same tokens."""

@@ -95,9 +95,9 @@ def test_ranks_launched_from_outside_step_together(tmp_path):
             assert (torch.tensor(ours) - theirs).abs().max().item() <= LOGIT_ATOL
 
 
-def stream_killing_a_rank(llm: LLM):
-    """Stream PROMPTS[0], killing the engine's first other rank after 3 tokens: (the final output, that rank)."""
-    before = llm.engine._workers.processes[0]
+def stream_killing_a_rank(llm: LLM, which: int = 0):
+    """Stream PROMPTS[0], killing the engine's `which`th other process after 3 tokens: (the final output, it)."""
+    before = llm.engine._workers.processes[which]
     outs = []
     for out in llm.stream(PROMPTS[0], GREEDY):
         outs.append(out)
