@@ -84,8 +84,10 @@ class RayController:
     def _place(self, role: str) -> Replica:
         c = self.cluster
         self.placed += 1
-        pg = reserve(c.bundle(), c.strategy, c.placement_timeout, name=f"kvyard-{role}-{self.placed}-{os.getpid()}")
         argv = self._argv(role)
+        ranks = parse_serve_argv(argv, self.deploy)[0].tensor_parallel_size  # a bundle per rank, rank 0 in the first
+        pg = reserve(c.bundle(), c.strategy, c.placement_timeout, name=f"kvyard-{role}-{self.placed}-{os.getpid()}",
+                     count=ranks)
         actor = (
             ray.remote(ReplicaActor)
             .options(

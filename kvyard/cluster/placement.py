@@ -11,8 +11,9 @@ class PlacementError(KvyardError):
     """A replica's resources could not be reserved on the cluster within the timeout."""
 
 
-def reserve(bundle: dict[str, float], strategy: str, timeout: float, name: str = "") -> PlacementGroup:
-    pg = placement_group([bundle], strategy=strategy, name=name)
+def reserve(bundle: dict[str, float], strategy: str, timeout: float, name: str = "", count: int = 1) -> PlacementGroup:
+    """`count` bundles alike: one per rank of a tensor-parallel replica (kvyard/cluster/ranks.py)."""
+    pg = placement_group([bundle] * count, strategy=strategy, name=name)
     ready, _ = ray.wait([pg.ready()], timeout=timeout)
     if ready:
         return pg
@@ -20,7 +21,7 @@ def reserve(bundle: dict[str, float], strategy: str, timeout: float, name: str =
     total, free = ray.cluster_resources(), ray.available_resources()
     missing = {k: v for k, v in bundle.items() if free.get(k, 0.0) < v}
     raise PlacementError(
-        f"could not place a replica asking for {_fmt(bundle)} within {timeout:g} s: "
+        f"could not place a replica asking for {f'{count} x ' if count > 1 else ''}{_fmt(bundle)} within {timeout:g} s: "
         f"missing {_fmt(missing) or 'nothing free on one node'}; the cluster has {_fmt(total)} "
         f"({_fmt(free)} free)"
     )

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.profiler import record_function
 
+from kvyard.cluster.ranks import current_placement, start_ray_ranks
 from kvyard.config import EngineConfig
 from kvyard.engine.block_manager import BlockManager
 from kvyard.engine.calibrate import calibrate_step_cost
@@ -218,7 +219,10 @@ class LLMEngine:
         cfg = self.cfg
         stage, stages = current_stage() or (0, cfg.pipeline_parallel_size)
         workers = Workers([], [])
-        if cfg.tensor_parallel_size > 1:
+        placement = current_placement(cfg.tensor_parallel_size) if stages == 1 else None
+        if placement is not None:  # a replica placed by Ray with a bundle per rank: rank actors in them
+            workers = start_ray_ranks(cfg, cfg.tensor_parallel_size, placement)
+        elif cfg.tensor_parallel_size > 1:
             workers = start_workers(cfg, cfg.tensor_parallel_size, (stage, stages))
         if stage == 0 and stages > 1:
             try:

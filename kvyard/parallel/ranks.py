@@ -56,6 +56,8 @@ class Workers:
             p.join(timeout)
             if p.is_alive():
                 p.kill()
+        for pipe in self.pipes:
+            pipe.close()
         leave_group()
 
 
@@ -127,7 +129,7 @@ def _worker_main(rank: int, size: int, master: str, cfg: dict[str, Any], pipe: C
         leave_group()
 
 
-def follow(engine: "LLMEngine", pipe: Connection, parent: int) -> None:
+def follow(engine: "LLMEngine", pipe: Connection, parent: int | None) -> None:
     """Run rank 0's steps on this rank's share until it says stop, or is gone."""
     runner = engine.runner
     for data in incoming(pipe, parent):
@@ -135,11 +137,12 @@ def follow(engine: "LLMEngine", pipe: Connection, parent: int) -> None:
         runner.model.forward(input_ids, positions, meta, runner.kv_caches, logits_indices)
 
 
-def incoming(pipe: Connection, parent: int) -> Iterator[bytes]:
-    """The messages on a rank's inbound pipe, until rank 0 says stop, closes it, or its process is gone."""
+def incoming(pipe: Connection, parent: int | None) -> Iterator[bytes]:
+    """The messages on a rank's inbound pipe, until rank 0 says stop, closes it, or its process (`parent`; None:
+    a rank placed by Ray, which goes with its placement group) is gone."""
     while True:
         if not pipe.poll(POLL_S):
-            if os.getppid() != parent:
+            if parent is not None and os.getppid() != parent:
                 log.warning("rank 0 is gone; this rank stops")
                 return
             continue
