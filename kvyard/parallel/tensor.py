@@ -128,8 +128,10 @@ def kv_head_of(cfg: ModelConfig, rank: int, ranks: int) -> int:
     return rank * cfg.num_kv_heads // ranks
 
 
-def shard_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, rank: int, ranks: int,
-                 experts: bool = False) -> torch.Tensor:
+Tensor = torch.Tensor | QuantizedTensor
+
+
+def shard_tensor(name: str, t: Tensor, cfg: ModelConfig, rank: int, ranks: int, experts: bool = False) -> Tensor:
     """Rank `rank`'s slice of the checkpoint tensor `name` (global HF names; whole where it is replicated, and
     a routed expert's whole with expert parallelism, `experts`)."""
     if ranks == 1:
@@ -144,23 +146,30 @@ def shard_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, rank: int, ranks:
         if cfg.num_kv_heads >= ranks:
             return _chunk(t, 0, rank, ranks)
         head = kv_head_of(cfg, rank, ranks)
-        return t[head * d : (head + 1) * d].contiguous()
+        return _part(t, 0, head * d, (head + 1) * d)
     if _ROW_HEADS.match(name) or _ROW_FFN.match(name):
         return _chunk(t, 1, rank, ranks)
     if _COLUMN_FFN.match(name):
         return _chunk(t, 0, rank, ranks)
     if _VOCAB.match(name):
-        start, stop = vocab_range(cfg.vocab_size, rank, ranks)
-        return t[start:stop].contiguous()
+        return _part(t, 0, *vocab_range(cfg.vocab_size, rank, ranks))
     return t
 
 
-def _chunk(t: torch.Tensor, dim: int, rank: int, ranks: int) -> torch.Tensor:
-    return t.chunk(ranks, dim)[rank].contiguous()
+def _chunk(t: Tensor, dim: int, rank: int, ranks: int) -> Tensor:
+    share = t.shape[dim] // ranks
+    return _part(t, dim, rank * share, (rank + 1) * share)
 
 
-def shard_stream(tensors: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], cfg: ModelConfig, rank: int,
-                 ranks: int, held_experts: tuple[int, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+def _part(t: Tensor, dim: int, start: int, stop: int) -> Tensor:
+    """Rows (dim 0) or input columns (dim 1) start..stop-1, of a dense or a low-bit weight (the same codes)."""
+    if isinstance(t, QuantizedTensor):
+        return t.rows(start, stop) if dim == 0 else t.cols(start, stop)
+    return t.narrow(dim, start, stop - start).contiguous()
+
+
+def shard_stream(tensors: Iterable[tuple[str, Tensor]], cfg: ModelConfig, rank: int, ranks: int,
+                 held_experts: tuple[int, ...] = ()) -> Iterator[tuple[str, Tensor]]:
     """Each tensor's slice for this rank; with expert parallelism (`held_experts`) the other ranks' experts are
     dropped unread into memory."""
     held = set(held_experts)
@@ -168,11 +177,12 @@ def shard_stream(tensors: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], 
         expert = _EXPERT.match(name) if held else None
         if expert and int(expert.group(1)) not in held:
             continue
-        if isinstance(t, QuantizedTensor):
-            raise ConfigError(f"{name}: tensor parallelism shards dense weights only for now (this checkpoint's "
-                              "layers are low-bit); load it without --quantization, or with tensor_parallel_size 1",
-                              param="tensor_parallel_size")
-        yield name, shard_tensor(name, t, cfg, rank, ranks, experts=bool(held))
+        try:
+            share = shard_tensor(name, t, cfg, rank, ranks, experts=bool(held))
+        except ValueError as e:  # a low-bit weight that cannot be cut where this rank's share starts
+            raise ConfigError(f"{name}: {e}; tensor_parallel_size {ranks} cannot split this low-bit checkpoint",
+                              param="tensor_parallel_size") from e
+        yield name, share
 
 
 class TensorParallelDecoder(DecoderModel):

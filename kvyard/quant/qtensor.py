@@ -84,6 +84,22 @@ class QuantizedTensor:
         return QuantizedTensor(self.scheme, part(self.q), part(self.scale), part(self.zero_point),  # type: ignore[arg-type]
                                self.outlier_cols, part(self.outliers))
 
+    def cols(self, start: int, stop: int) -> "QuantizedTensor":
+        """Input columns start..stop-1 (a row-parallel rank's share): the same codes and scales, so its partial
+        products add up to the whole weight's. The cut must fall on group boundaries."""
+        group = self.scheme.group_size
+        if self.outlier_cols is not None:
+            raise ValueError("a weight with full-precision outlier columns cannot be split by columns")
+        if group and (start % group or (stop % group and stop != self.shape[1])):
+            raise ValueError(f"columns {start}..{stop} do not fall on the weight's groups of {group}")
+        g0, g1 = (start // group, -(-stop // group)) if group else (0, 1)
+
+        def part(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[:, g0:g1].contiguous()
+
+        return QuantizedTensor(self.scheme, self.q[:, start:stop].contiguous(), part(self.scale),  # type: ignore[arg-type]
+                               part(self.zero_point))
+
     @staticmethod
     def cat(parts: list["QuantizedTensor"]) -> "QuantizedTensor":
         """Stack along output rows (fusing q|k|v or gate|up); rows are quantized independently."""
