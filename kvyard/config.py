@@ -95,6 +95,8 @@ class EngineConfig:
     pipeline_overlap: bool = True  # a batch a stage in flight, so the stages work at once (off: one at a time)
     # How the ranks an engine starts itself exchange partial sums: shm (a shared-memory segment, one host) or gloo
     tensor_parallel_comm: str = "shm"
+    # Bind each process of a parallel replica to its own share of the cores (kvyard/parallel/affinity.py)
+    bind_threads: bool = True
     # Quantize linear weights while loading (int8, int4-g128, ...), or `gguf`: keep a GGUF file's
     # Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q8_0 layers in their own blocks. A `kvyard quantize` directory needs no flag,
     # its plan is in config.json.

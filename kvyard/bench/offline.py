@@ -5,6 +5,7 @@ median of each figure and the ratio of the medians (with every round's ratio nex
 """
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -90,10 +91,11 @@ def _ratios(rounds: list[dict], med: dict) -> dict:
 
 def run_offline_bench(args: argparse.Namespace) -> int:
     cfg = engine_config_from_args(args)
+    cores = os.sched_getaffinity(0)  # before a parallel replica's rank 0 (this process) binds to its share
     llm = LLM(config=cfg)
     # A parallel replica runs against the same engine on one process, in turns (rank 0 shares this process)
     split = cfg.tensor_parallel_size > 1 or cfg.pipeline_parallel_size > 1
-    tp1 = parallel.SingleProcessBaseline(cfg, torch.get_num_threads()) if split else None
+    tp1 = parallel.SingleProcessBaseline(cfg, torch.get_num_threads(), cores) if split else None
 
     def workload(seed: int) -> tuple[Workload, Workload]:
         # Fresh prompts every round, and batch-1 prompts apart from the batch's: a repeated prompt would

@@ -7,7 +7,6 @@ memory each rank holds.
 """
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -16,40 +15,50 @@ import torch
 
 from kvyard.config import EngineConfig
 from kvyard.llm import LLM
+from kvyard.parallel.affinity import bind_process
 from kvyard.parallel.comm import current_group
 
 
 @contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
+def torch_threads(n: int, cores: set[int]) -> Iterator[None]:
+    """This process's torch threads, n of them, on `cores` while the block runs (rank 0 is bound to its share
+    of the cores otherwise, kvyard/parallel/affinity.py)."""
     before = torch.get_num_threads()
+    cores = bind_process(cores)
     torch.set_num_threads(n)
     try:
         yield
     finally:
         torch.set_num_threads(before)
+        bind_process(cores)
 
 
 def weight_bytes(llm: LLM) -> int:
     """The bytes of the weights this process's model holds (each storage once: a tied head is the embedding)."""
     seen: dict[int, int] = {}
     for t in llm.engine.runner.model.weight_tensors():
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        try:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        except NotImplementedError:  # a weight packed into oneDNN's opaque layout (AMX)
+            seen[id(t)] = t.numel() * t.element_size()
     return sum(seen.values())
 
 
 class SingleProcessBaseline:
     """The same engine configuration on one process with all the cores, run in turn with the parallel one."""
 
-    def __init__(self, cfg: EngineConfig, parallel_threads: int):
-        self.threads = os.cpu_count() or 1
+    def __init__(self, cfg: EngineConfig, parallel_threads: int, cores: set[int]):
+        """`cores`: the machine's, as this process had them before rank 0 bound itself to its share."""
+        self.cores = cores
+        self.threads = len(cores)
         self.parallel_threads = parallel_threads
-        with torch_threads(self.threads):
+        with torch_threads(self.threads, cores):
             self.llm = LLM(config=replace(cfg, tensor_parallel_size=1, pipeline_parallel_size=1,
-                                          num_threads=self.threads))
+                                          enable_expert_parallel=False, num_threads=self.threads))
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        with torch_threads(self.threads):
+        with torch_threads(self.threads, self.cores):
             return fn(self.llm, *args)
 
     def close(self) -> None:
@@ -67,10 +76,11 @@ class CommCounter:
 
     def _now(self) -> dict[str, int]:
         g, stats, runner = self.group, self.llm.engine.stats, self.llm.engine.runner
+        # a pipeline's messages (hidden states down, logits back), and rank 0's group's collectives
+        sent = {"collectives": getattr(runner, "messages", 0), "bytes": getattr(runner, "bytes_moved", 0)}
         if g is not None:
-            sent = {"collectives": g.all_reduces + g.gathers, "bytes": g.bytes_reduced + g.bytes_gathered}
-        else:
-            sent = {"collectives": getattr(runner, "messages", 0), "bytes": getattr(runner, "bytes_moved", 0)}
+            sent = {"collectives": sent["collectives"] + g.all_reduces + g.gathers,
+                    "bytes": sent["bytes"] + g.bytes_reduced + g.bytes_gathered}
         return {**sent, "steps": stats["steps"], "tokens": stats["generation_tokens"]}
 
     def per_step_and_token(self) -> dict[str, float]:
@@ -87,6 +97,8 @@ def layout_report(llm: LLM, baseline: SingleProcessBaseline, counter: CommCounte
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "pipeline_parallel_size": cfg.pipeline_parallel_size,
         "pipeline_overlap": cfg.pipeline_overlap,
+        "expert_parallel": cfg.expert_placement if cfg.enable_expert_parallel else None,
+        "bind_threads": cfg.bind_threads,
         "overlapped_steps": llm.engine.stats["overlapped_steps"],
         "comm": type(group).__name__ if group else "pipes",
         "threads_per_rank": baseline.parallel_threads,

@@ -39,6 +39,7 @@ _HELP = {
                               "instead of a slice of every expert",
     "expert_placement": "which experts a rank holds: contiguous (runs of experts) or round_robin (expert e on rank e %% ranks)",
     "pipeline_overlap": "keep a batch a stage in flight, so the stages work at once (--no-pipeline-overlap: one batch at a time)",
+    "bind_threads": "bind each process of a parallel replica (every rank of every stage) to its own share of the cores",
     "tensor_parallel_comm": "how the ranks exchange partial sums: shm (shared memory, one host) or gloo (TCP)",
     "num_threads": "CPU threads for torch (default: all cores)",
     "kv_cache_dtype": "KV cache storage: auto (the model dtype) or int8",

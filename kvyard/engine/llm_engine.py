@@ -35,6 +35,7 @@ from kvyard.loader.checkpoint import Checkpoint, load_checkpoint
 from kvyard.loader.registry import resolve_model
 from kvyard.models.build import build_model
 from kvyard.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from kvyard.parallel.affinity import bind_replica_process, cpus_for_children, replica_cpus
 from kvyard.parallel.comm import current_group
 from kvyard.parallel.pipeline import (
     PipelineDriver,
@@ -218,18 +219,22 @@ class LLMEngine:
         their rank 0."""
         cfg = self.cfg
         stage, stages = current_stage() or (0, cfg.pipeline_parallel_size)
-        workers = Workers([], [])
         placement = current_placement(cfg.tensor_parallel_size) if stages == 1 else None
         if placement is not None:  # a replica placed by Ray with a bundle per rank: rank actors in them
-            workers = start_ray_ranks(cfg, cfg.tensor_parallel_size, placement)
-        elif cfg.tensor_parallel_size > 1:
-            workers = start_workers(cfg, cfg.tensor_parallel_size, (stage, stages))
-        if stage == 0 and stages > 1:
-            try:
-                workers = workers.with_stages(start_stages(cfg, stages))
-            except BaseException:
-                workers.stop(timeout=1)
-                raise
+            return start_ray_ranks(cfg, cfg.tensor_parallel_size, placement)
+        workers = Workers([], [])
+        cpus = replica_cpus()
+        with cpus_for_children(cpus):
+            if cfg.tensor_parallel_size > 1:
+                workers = start_workers(cfg, cfg.tensor_parallel_size, (stage, stages))
+            if stage == 0 and stages > 1:
+                try:
+                    workers = workers.with_stages(start_stages(cfg, stages))
+                except BaseException:
+                    workers.stop(timeout=1)
+                    raise
+        if stage == 0:  # the replica's first process (later stages bind themselves as they start)
+            workers.affinity = bind_replica_process(cfg, 0, cpus)
         return workers
 
     def _offload(self, caches: "list[LayerKV]") -> "KVOffload | None":

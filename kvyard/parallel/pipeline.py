@@ -29,6 +29,7 @@ from kvyard.errors import ConfigError
 from kvyard.models.config import ModelConfig
 from kvyard.models.decoder import DecoderModel, rms_norm
 from kvyard.models.kv_layer import LayerKV
+from kvyard.parallel.affinity import bind_replica_process
 from kvyard.parallel.ranks import POLL_S, STOP, DrivingRunner, Workers, incoming, share_threads
 from kvyard.parallel.shm import PeerLostError, process_alive
 from kvyard.parallel.tensor import TP_MODEL_TYPES, Collective, TensorParallelDecoder
@@ -238,10 +239,12 @@ def _stage_main(stage: int, stages: int, cfg: dict[str, Any], inbound: Connectio
     from kvyard.engine.llm_engine import LLMEngine
 
     enter_stage(stage, stages)
+    engine_config = EngineConfig(**cfg)
+    bind_replica_process(engine_config, stage * engine_config.tensor_parallel_size)
     # The stage is a daemon (stage 0 ends it if it exits), and multiprocessing refuses a daemon children: this
     # stage's tensor-parallel peers. They are safe orphans: each exits once it sees its parent gone (ranks.incoming).
     multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
-    follow_stage(LLMEngine(EngineConfig(**cfg)), inbound, outbound, parent)
+    follow_stage(LLMEngine(engine_config), inbound, outbound, parent)
 
 
 def follow_stage(engine: "LLMEngine", inbound: Connection, outbound: Connection, parent: int) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from kvyard.engine.model_runner import ModelRunner, StepInput
 from kvyard.net import free_port
+from kvyard.parallel.affinity import bind_process, bind_replica_process
 from kvyard.parallel.comm import current_group, join_group, leave_group
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class Workers:
     pipes: list[Connection]  # what rank 0 writes each step to: its tensor-parallel peers
     returns: list[Connection] = field(default_factory=list)  # what it reads back (a pipeline's logits)
     downstream: Connection | None = None  # where a pipeline's hidden states go: stage 1
+    affinity: set[int] | None = None  # the cores rank 0 ran on before it bound itself to its share
 
     def with_stages(self, stages: "Workers") -> "Workers":
         return Workers(self.processes + stages.processes, self.pipes, stages.returns, stages.downstream)
@@ -58,6 +60,9 @@ class Workers:
                 p.kill()
         for pipe in self.pipes:
             pipe.close()
+        if self.affinity is not None:
+            bind_process(self.affinity)
+            self.affinity = None
         leave_group()
 
 
@@ -122,9 +127,11 @@ def _worker_main(rank: int, size: int, master: str, cfg: dict[str, Any], pipe: C
     from kvyard.parallel.pipeline import enter_stage
 
     enter_stage(*stage)
+    engine_config = EngineConfig(**cfg)
+    bind_replica_process(engine_config, stage[0] * engine_config.tensor_parallel_size + rank)
     join_group(rank, size, master, comm=cfg["tensor_parallel_comm"], driven=True)
     try:
-        follow(LLMEngine(EngineConfig(**cfg)), pipe, parent)
+        follow(LLMEngine(engine_config), pipe, parent)
     finally:
         leave_group()
 
