@@ -83,3 +83,17 @@ def test_bad_values_are_errors():
         serve_configs("--max-body-bytes", "lots")
     with pytest.raises(ConfigError):
         load_deploy_config("/nonexistent/deploy.yaml")
+
+
+def test_parallel_layouts_from_flags_and_from_the_file(tmp_path):
+    """Model parallelism is set the same way on the command line and under `engine:` (flags win)."""
+    engine, _ = serve_configs("--tensor-parallel-size", "2", "--pipeline-parallel-size", "2",
+                              "--enable-expert-parallel", "--expert-placement", "round_robin", "--no-bind-threads")
+    assert (engine.tensor_parallel_size, engine.pipeline_parallel_size, engine.enable_expert_parallel,
+            engine.expert_placement, engine.bind_threads) == (2, 2, True, "round_robin", False)
+    path = write(tmp_path, "engine:\n  tensor_parallel_size: 4\n  enable_expert_parallel: true\n"
+                           "  tensor_parallel_comm: gloo\n")
+    engine, _ = serve_configs("--config", str(path), "--tensor-parallel-size", "2")
+    assert (engine.tensor_parallel_size, engine.enable_expert_parallel, engine.tensor_parallel_comm) == (2, True, "gloo")
+    with pytest.raises(InvalidRequestError, match="expert_placement must be contiguous or round_robin"):
+        serve_configs("--expert-placement", "random")
