@@ -40,6 +40,8 @@ _SERVER_FLAGS: list[tuple[str, type, str]] = [
     ("kv_transfer_mode", str, "KV transfer framing over TCP: layers (default: one message per layer, pipelined) "
                               "or blocks (one message)"),
     ("kv_hold_timeout", float, "prefill role: seconds to keep KV that no decode worker pulled (default 30)"),
+    ("capture", str, "capture requests as JSON lines into this directory (sampling, redaction and size budgets "
+                     "from --config's server.capture)"),
     ("kv_fetch_timeout", float, "decode role: seconds to wait for a KV pull before prefilling locally (default 10)"),
 ]
 

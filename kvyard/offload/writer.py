@@ -4,14 +4,12 @@ The engine never waits on a write: when the queue is full the block is dropped (
 the faster tiers or is recomputed later. `pending` lets a tier answer "is it there?" for blocks still queued.
 """
 
-import logging
-import queue
 import threading
 from collections.abc import Callable
 
 import torch
 
-log = logging.getLogger(__name__)
+from kvyard.background import BoundedWorker
 
 Write = tuple[bytes, tuple[int, ...], list[list[torch.Tensor]]]
 
@@ -20,13 +18,11 @@ class QueuedWriter:
     def __init__(self, write: Callable[[bytes, tuple[int, ...], list[list[torch.Tensor]]], None], name: str,
                  max_pending: int, on_error: Callable[[Exception], None]):
         self.write = write
-        self.on_error = on_error
         self.lock = threading.Lock()
         self.pending: set[bytes] = set()
         self.dropped = 0
-        self._queue: queue.Queue[Write | None] = queue.Queue(max_pending)
-        self._thread = threading.Thread(target=self._loop, name=f"kvyard-kv-{name}", daemon=True)
-        self._thread.start()
+        self._worker: BoundedWorker[Write] = BoundedWorker(lambda w: self.write(*w), f"kvyard-kv-{name}", max_pending,
+                                                           on_error, after=self._written)
 
     def submit(self, h: bytes, tokens: tuple[int, ...], tensors: list[list[torch.Tensor]]) -> bool:
         """Queue a block (tensors the caller no longer writes); False when the queue is full (dropped)."""
@@ -34,31 +30,18 @@ class QueuedWriter:
             if h in self.pending:
                 return True
             self.pending.add(h)
-        try:
-            self._queue.put_nowait((h, tokens, tensors))
-        except queue.Full:
-            with self.lock:
-                self.pending.discard(h)
+        if not self._worker.submit((h, tokens, tensors)):
+            self._written((h, tokens, tensors))
             self.dropped += 1
             return False
         return True
 
     def flush(self) -> None:
-        self._queue.join()
+        self._worker.flush()
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=10)
+        self._worker.close()
 
-    def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            h, tokens, tensors = item
-            try:
-                self.write(h, tokens, tensors)
-            except Exception as e:  # a full disk, a lost connection: the block just stays out of this tier
-                self.on_error(e)
-            finally:
-                with self.lock:
-                    self.pending.discard(h)
-                self._queue.task_done()
-        self._queue.task_done()
+    def _written(self, w: Write) -> None:
+        with self.lock:
+            self.pending.discard(w[0])

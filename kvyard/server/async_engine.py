@@ -192,6 +192,7 @@ class AsyncEngine:
         self.generation_defaults = dict(engine.generation_defaults)
         self.max_model_len = engine.max_model_len
         self.model_name = engine.cfg.model
+        self.engine_config = engine.cfg
         self.block_size = engine.cfg.block_size
         self.enable_prefix_caching = engine.cfg.enable_prefix_caching
         # The KV tensors themselves, for the KV transfer layer's thread (kvyard/disagg/): it reads only

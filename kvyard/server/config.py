@@ -26,6 +26,7 @@ from kvyard.cluster.config import ClusterConfig
 from kvyard.config import EngineConfig, check_fields, parse_bytes
 from kvyard.errors import ConfigError, InvalidRequestError
 from kvyard.server.repetition import RepetitionGuard, guard_setting
+from kvyard.shadow.capture import CaptureSettings
 from kvyard.structured.spec import JSON_WHITESPACE
 
 ROLES = ("both", "prefill", "decode")
@@ -67,9 +68,16 @@ class ServerSettings:
     kv_transfer_mode: str = "layers"  # layers: one message per layer, pipelined (measured faster); blocks: one
     kv_hold_timeout: float = 30.0  # seconds a prefill worker keeps KV nobody has pulled
     kv_fetch_timeout: float = 10.0  # seconds a decode worker waits for a pull before prefilling itself
+    # Traffic capture (kvyard/shadow/capture.py): a directory, or {dir, sample, redact, file_bytes, max_bytes,
+    # queue}; None: off
+    capture: CaptureSettings | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         self.max_body_bytes = parse_bytes(self.max_body_bytes)
+        if isinstance(self.capture, str):
+            self.capture = CaptureSettings(dir=self.capture)
+        elif isinstance(self.capture, dict):
+            self.capture = CaptureSettings(**check_fields(CaptureSettings, self.capture, "server: capture"))
         try:
             self.repetition_guard = guard_setting(self.repetition_guard)
         except InvalidRequestError as e:

@@ -1,5 +1,6 @@
 """Everything a request handler needs, built once per app and kept on `app.state.ctx`."""
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -11,6 +12,7 @@ from kvyard.server.guards import Admission, DrainState
 from kvyard.server.metrics import ServerMetrics
 from kvyard.server.structured import GrammarService
 from kvyard.server.tokenization import FrontendTokenizer
+from kvyard.shadow.capture import CaptureSettings, TraceCapture, config_fingerprint
 
 
 @dataclass
@@ -26,6 +28,7 @@ class ServerContext:
     disagg: Disaggregation
     # What a request that leaves a sampling parameter out gets (settings.generation_config)
     generation_defaults: dict[str, float | int] = field(default_factory=dict)
+    capture: TraceCapture | None = None  # settings.capture: sampled requests to JSON lines
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -43,6 +46,9 @@ class ServerContext:
             grammars=GrammarService(engine, tokenizer, json_whitespace=settings.json_whitespace),
             disagg=Disaggregation(engine, settings, metrics.registry),
             generation_defaults=dict(engine.generation_defaults) if settings.generation_config == "auto" else {},
+            capture=None if not isinstance(settings.capture, CaptureSettings) else TraceCapture(
+                settings.capture, settings.served_model_name or engine.model_name, f"{settings.host}:{settings.port}",
+                config_fingerprint(engine.engine_config), copy.deepcopy(engine.tokenizer).decode),
         )
 
     def check_model(self, name: str | None) -> str:

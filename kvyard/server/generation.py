@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from kvyard.errors import InvalidRequestError, KvyardError
 from kvyard.outputs import RequestOutput
@@ -23,6 +23,7 @@ from kvyard.server.errors import APIError, from_kvyard_error
 from kvyard.server.protocol import KVTransferParams, SamplingFields
 from kvyard.server.repetition import RepetitionGuard, request_guard
 from kvyard.server.sse import DONE, ClientDisconnected
+from kvyard.shadow.capture import Observed
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,9 @@ class Choice:
     finished: bool = False
     attempt: int = 0  # repetition retries so far
     sent: bool = False  # a stream has passed some of its tokens on: too late to retry
+    # When captured (kvyard/shadow/capture.py): each output's arrival and its count of new tokens
+    token_times: list[float] = field(default_factory=list)
+    token_counts: list[int] = field(default_factory=list)
 
 
 class EngineRun:
@@ -127,6 +131,8 @@ class EngineRun:
         self.choices: dict[str, Choice] = {}
         self._closed = False
         self._interrupted: APIError | None = None
+        self.captured = ctx.capture is not None and ctx.capture.sampled()
+        self.arrival_unix = time.time() - (time.monotonic() - self.arrival)
 
     async def start(self, prompts: list[list[int]], params: SamplingParams,
                     kv_transfer: KVTransferParams | None = None) -> None:
@@ -234,8 +240,19 @@ class EngineRun:
         choice.last_token_at = now
         choice.completion_tokens += new
         m.generation_tokens.inc(new)
+        if self.captured:
+            choice.token_times.append(now)
+            choice.token_counts.append(new)
         if final:
             m.e2e.observe(now - self.arrival)
+            if self.captured:
+                self._capture(choice, out)
+
+    def _capture(self, choice: Choice, out: RequestOutput) -> None:
+        assert self.ctx.capture is not None
+        done = out.outputs[0]
+        self.ctx.capture.submit(Observed(self.arrival_unix, choice.prompt, choice.params, list(done.token_ids),
+                                         done.text, done.finish_reason, choice.token_times, choice.token_counts, self.arrival))
 
     def interrupt(self, error: APIError) -> None:
         """From outside (the drain): abort all choices and make `outputs` raise `error`."""

@@ -85,6 +85,8 @@ def serve(engine_config: EngineConfig, settings: ServerSettings) -> None:
         finally:
             ctx.tokenizer.close()
             ctx.disagg.close()
+            if ctx.capture is not None:
+                ctx.capture.close()  # what is queued is written first
             if app.state.kv_events is not None:
                 app.state.kv_events.close()
     finally:
