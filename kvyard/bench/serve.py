@@ -53,6 +53,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     ld.add_argument("--request-rate", type=float, default=None,
                     help="open loop: Poisson arrivals per second (inf: all at once)")
     ld.add_argument("--sweep", type=_ints, default=None, help="closed loop at each concurrency, e.g. 1,4,16,32")
+    ld.add_argument("--trace", default=None, help="replay a trace's arrivals and prompts: a kvyard capture directory or "
+                    "file, a Mooncake JSONL trace or an Azure CSV (kvyard/bench/trace.py)")
+    ld.add_argument("--time-scale", type=float, default=1.0,
+                    help="--trace: each request at its recorded offset times this (0.5: twice as fast)")
     r = p.add_argument_group("requests and report")
     r.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     r.add_argument("--temperature", type=float, default=0.0)
@@ -87,6 +91,12 @@ def add_serve_bench_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def loads_from_args(args: argparse.Namespace) -> list[LoadSpec]:
+    if args.trace is not None:
+        if args.request_rate is not None or args.concurrency is not None or args.sweep:
+            raise BenchError("--trace replays the recorded arrival times: no --request-rate, --concurrency or --sweep")
+        if not args.time_scale > 0:
+            raise BenchError("--time-scale must be > 0")
+        return [LoadSpec("trace", time_scale=args.time_scale)]
     if args.request_rate is not None and (args.concurrency is not None or args.sweep):
         raise BenchError("--request-rate (open loop) excludes --concurrency and --sweep (closed loop)")
     if args.sweep and args.concurrency is not None:
@@ -123,6 +133,7 @@ def config_from_args(args: argparse.Namespace, url: str) -> ServeBenchConfig:
         temperature=args.temperature, ignore_eos=args.ignore_eos, timeout=args.timeout, warmup=args.warmup,
         percentiles=args.percentiles, slos=SLOs(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms),
         api_key=args.api_key, extra_body=args.extra_body, progress=not args.no_progress, keep_alive=args.keep_alive,
+        trace=args.trace,
     )
 
 

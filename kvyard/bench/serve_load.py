@@ -24,12 +24,15 @@ from kvyard.bench.serve_workloads import Session, Turn
 
 @dataclass
 class LoadSpec:
-    mode: Literal["closed", "poisson"] = "closed"
+    mode: Literal["closed", "poisson", "trace"] = "closed"
     concurrency: int = 8  # closed loop: sessions in flight
     rate: float = math.inf  # poisson: sessions per second; inf sends them all at once
     seed: int = 0
+    time_scale: float = 1.0  # trace: each session at its recorded offset times this (0.5: twice as fast)
 
     def describe(self) -> dict[str, Any]:
+        if self.mode == "trace":
+            return {"mode": "trace", "time_scale": self.time_scale}
         if self.mode == "closed":
             return {"mode": "closed", "concurrency": self.concurrency}
         return {"mode": "poisson", "request_rate": None if math.isinf(self.rate) else self.rate, "seed": self.seed}
@@ -102,6 +105,12 @@ async def offer_load(client: httpx.AsyncClient, sessions: list[Session], load: L
 
         await asyncio.gather(*(worker() for _ in range(min(load.concurrency, len(sessions)))))
         results = done
+    elif load.mode == "trace":  # open loop at the recorded arrival times
+        tasks = []
+        for session in sessions:
+            await asyncio.sleep(max(0.0, run_start + (session.at_s or 0.0) * load.time_scale - time.perf_counter()))
+            tasks.append(asyncio.create_task(run_session(client, session, opts, run_start, on_result)))
+        results = [r for rs in await asyncio.gather(*tasks) for r in rs]
     else:
         rng = random.Random(load.seed)
         tasks = []

@@ -21,6 +21,7 @@ from kvyard.bench.serve_client import RequestResult
 from kvyard.bench.serve_load import LoadSpec, RequestOptions, offer_load, run_session
 from kvyard.bench.serve_metrics import SLOs, request_records, summarize
 from kvyard.bench.serve_workloads import Session, Turn, WorkloadSpec, build_sessions, load_tokenizer
+from kvyard.bench.trace import TraceError, read_trace
 
 
 @dataclass
@@ -43,6 +44,7 @@ class ServeBenchConfig:
     # A new connection per request, as a fleet of distinct clients makes them; llama-server closes a kept-alive
     # connection after a stream anyway, so reusing them would favour the servers that keep them.
     keep_alive: bool = False
+    trace: str | None = None  # replay this trace (kvyard/bench/trace.py) instead of drawing the workload
 
 
 class BenchError(Exception):
@@ -96,7 +98,14 @@ async def _warmup(client: httpx.AsyncClient, sessions: list[Session], count: int
 
 
 def sessions_for_load(cfg: ServeBenchConfig, tokenizer: Any, index: int) -> list[Session]:
-    """The prompts of load `index` (-1: the warm-up): the workload drawn with its seed plus `index`."""
+    """The prompts of load `index` (-1: the warm-up): the workload drawn with its seed plus `index`, or the trace
+    (the warm-up: its first request, sent at once)."""
+    if cfg.trace is not None:
+        try:
+            sessions = read_trace(cfg.trace, tokenizer, cfg.workload.seed)
+        except TraceError as e:
+            raise BenchError(str(e)) from None
+        return [replace(sessions[0], at_s=None)] if index < 0 else sessions
     return build_sessions(replace(cfg.workload, seed=cfg.workload.seed + index), tokenizer)
 
 
@@ -116,7 +125,8 @@ async def _run(cfg: ServeBenchConfig, warmup: list[Session], per_load: list[list
         runs = []
         for load, sessions in zip(cfg.loads, per_load, strict=True):
             total = sum(len(s.turns) for s in sessions)
-            desc = f"c={load.concurrency}" if load.mode == "closed" else f"rate={load.rate:g}/s"
+            desc = {"closed": f"c={load.concurrency}", "trace": f"trace x{load.time_scale:g}"}.get(
+                load.mode, f"rate={load.rate:g}/s")
             with tqdm(total=total, desc=desc, unit="req", disable=not cfg.progress, leave=False) as bar:
                 def tick(r: RequestResult) -> None:
                     bar.update(1)

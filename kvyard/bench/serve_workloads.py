@@ -29,7 +29,7 @@ _WORDS = (
 
 @dataclass
 class Turn:
-    content: str  # the user message (chat) or the whole prompt (completions)
+    content: str | list[int]  # the user message (chat) or the whole prompt (completions: text or token ids)
     max_tokens: int
     prompt_tokens: int  # the intended length of `content`, in tokens (words without a tokenizer)
 
@@ -41,6 +41,7 @@ class Session:
     system: str | None = None
     tools: list[dict[str, Any]] | None = None
     group: int | None = None  # shared-prefix: which prefix this session uses
+    at_s: float | None = None  # a replayed trace: when it arrives, seconds after the first request
 
 
 @dataclass
