@@ -9,7 +9,7 @@ from kvyard.server.config import ServerSettings
 from kvyard.server.disagg import Disaggregation
 from kvyard.server.errors import APIError
 from kvyard.server.guards import Admission, DrainState
-from kvyard.server.metrics import ServerMetrics
+from kvyard.server.metrics import CaptureCollector, ServerMetrics
 from kvyard.server.structured import GrammarService
 from kvyard.server.tokenization import FrontendTokenizer
 from kvyard.shadow.capture import CaptureSettings, TraceCapture, config_fingerprint
@@ -30,6 +30,10 @@ class ServerContext:
     generation_defaults: dict[str, float | int] = field(default_factory=dict)
     capture: TraceCapture | None = None  # settings.capture: sampled requests to JSON lines
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if self.capture is not None:
+            self.metrics.registry.register(CaptureCollector(self.capture))
 
     @classmethod
     def build(cls, engine: AsyncEngine, settings: ServerSettings) -> "ServerContext":

@@ -5,6 +5,7 @@ Latencies and token counts are observed by the server as outputs pass through it
 """
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -118,6 +119,20 @@ def _offload_metrics(s: EngineStats) -> Iterator[Metric]:
                                        "fewer prompts than --kv-offload-admit-after carried them",
                                        value=s.offload_not_admitted)
     yield from (hits, stored, evicted, size, moved, load_time, fallbacks, decisions, saved, not_admitted)
+
+
+class CaptureCollector(Collector):
+    """Traffic capture's counts (kvyard/shadow/capture.py): records written, and dropped (a full queue, a
+    failed write)."""
+
+    def __init__(self, capture: Any):
+        self.capture = capture
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("kvyard_capture_records", "Requests written to the capture",
+                                  value=self.capture.records)
+        yield CounterMetricFamily("kvyard_capture_dropped", "Requests the capture dropped (its queue full, or a "
+                                  "write failed); serving never waits on it", value=self.capture.dropped)
 
 
 class ServerMetrics:

@@ -120,6 +120,8 @@ def test_a_capture_that_cannot_be_written_loses_records_not_requests(engine, tmp
         directory.write_text("a file where the directory was")  # every write now fails
         r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": WORDS, "max_tokens": 3},
                        timeout=60)
-        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         srv.ctx.capture.flush()
         assert srv.ctx.capture.dropped == 1 and srv.ctx.capture.records == 0
+        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        assert "kvyard_capture_dropped_total 1.0" in metrics and "kvyard_capture_records_total 0.0" in metrics
