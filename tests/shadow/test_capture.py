@@ -118,7 +118,7 @@ def test_a_capture_that_cannot_be_written_loses_records_not_requests(engine, tmp
     with running_server(engine, served_model_name="tiny", capture=str(directory)) as srv:
         directory.rmdir()
         directory.write_text("a file where the directory was")  # every write now fails
-        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": WORDS, "max_tokens": 3},
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": WORDS, "max_tokens": 3, "ignore_eos": True},
                        timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         srv.ctx.capture.flush()
