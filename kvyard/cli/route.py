@@ -37,6 +37,8 @@ _ROUTER_FLAGS: list[tuple[str, type, str]] = [
                                     "(default 2)"),
     ("seed", int, "seed of the random choices"),
     ("log_level", str, "log level (default info)"),
+    ("shadow", str, "mirror every request to this candidate deployment too, fire-and-forget (its answers reach no "
+                    "client); sampling and filters from a mapping in code or a deployment file (#37)"),
 ]
 
 

@@ -32,6 +32,7 @@ from kvyard.router.prompts import PromptTokenizer
 from kvyard.router.proxy import Proxy, error_body, forwarded_headers
 from kvyard.router.registry import InvalidWorkerURL, WorkerRegistry, normalize_worker_url
 from kvyard.server.guards import ApiKeyMiddleware
+from kvyard.shadow.mirror import Mirror, ShadowSettings
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class RouterState:
     registering: "asyncio.Task[None]"
     remote_prefill: RemotePrefill
     by_load: LeastLoaded
+    mirror: Mirror | None = None  # settings.shadow: a share of the requests to a candidate too
 
     @classmethod
     def start(cls, settings: RouterSettings, tokenizer: Any) -> "RouterState":
@@ -65,10 +67,16 @@ class RouterState:
         registering = asyncio.create_task(registry.register_all())
         registry.start()
         remote = RemotePrefill(settings, registry, placement, client)
+        mirror = None
+        if isinstance(settings.shadow, ShadowSettings):  # a client of its own: the fleet's credentials stay in it
+            mirror = Mirror(settings.shadow, httpx.AsyncClient(trust_env=False), registry.metrics.shadow)
         return cls(settings, client, registry, placement, proxy, PromptTokenizer(tokenizer), registering, remote,
-                   LeastLoaded())
+                   LeastLoaded(), mirror)
 
     async def stop(self) -> None:
+        if self.mirror is not None:
+            await self.mirror.close()
+            await self.mirror.client.aclose()
         self.registering.cancel()
         await self.registry.stop()
         await self.client.aclose()
@@ -118,6 +126,8 @@ def build_router_app(settings: RouterSettings, tokenizer: Any, controller: Any =
         block_size = st.registry.block_size
         tokens = await st.prompts.token_ids(path, body) if block_size else None
         req = route_request(tokens, block_size or 1)
+        if st.mirror is not None:
+            st.mirror.offer(path, body)
         policy = None
         kv_params = await st.remote_prefill.prefill(req, tokens)
         if kv_params is not None:

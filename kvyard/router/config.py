@@ -1,9 +1,11 @@
 """`RouterSettings`: everything `kvyard route` can be told, with checked ranges."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvyard.cluster.auth import HEADER, token_from_env
 from kvyard.errors import ConfigError
+from kvyard.shadow.mirror import ShadowSettings, shadow_setting
 
 POLICIES = ("kv", "round-robin", "least-loaded", "random")
 
@@ -45,6 +47,9 @@ class RouterSettings:
     # draws one per deployment. None: $KVYARD_CLUSTER_TOKEN, else none.
     cluster_token: str | None = field(default=None, repr=False)
     log_level: str = "info"
+    # A candidate deployment that sees a mirrored share of the traffic (kvyard/shadow/mirror.py): its URL, or
+    # {url, sample, routes, models, max_in_flight, timeout_s, dead_after, retry_after_s, keep}; None: off
+    shadow: ShadowSettings | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -72,6 +77,7 @@ class RouterSettings:
         if self.worker_api_key is None:
             self.worker_api_key = self.api_key
         self.cluster_token = self.cluster_token or token_from_env()
+        self.shadow = shadow_setting(self.shadow)
 
     def worker_headers(self) -> dict[str, str]:
         """Headers on every request the router sends a worker."""

@@ -94,6 +94,10 @@ class RouterMetrics:
         self.events = Counter(
             "kvyard_router_kv_events", "KV events applied to the prefix index", ["worker"], registry=r
         )
+        self.shadow = Counter(
+            "kvyard_router_shadow_requests", "Requests mirrored to the shadow candidate, by outcome: sent, ok, "
+            "failed, skipped_busy (too many in flight), skipped_down (failing), filtered", ["outcome"], registry=r
+        )
         r.register(_WorkerCollector(workers))
 
     def render(self) -> tuple[bytes, str]:
