@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kvyard.errors import ConfigError, InvalidRequestError
+from kvyard.parallel.expert import PLACEMENTS
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -141,8 +142,8 @@ class EngineConfig:
 
             if self.quantization != KEEP_GGUF:
                 parse_weight_scheme(self.quantization)
-        if self.expert_placement not in ("contiguous", "round_robin"):
-            raise InvalidRequestError(f"expert_placement must be contiguous or round_robin, got "
+        if self.expert_placement not in PLACEMENTS:
+            raise InvalidRequestError(f"expert_placement must be {' or '.join(PLACEMENTS)}, got "
                                       f"{self.expert_placement!r}", param="expert_placement")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -192,6 +193,17 @@ def check_fields(cls: type, values: dict[str, Any], where: str) -> dict[str, Any
         if not _matches(value, hints[key]):
             raise ConfigError(f"{where}: {key} has the wrong type: {value!r}", param=key)
     return dict(values)
+
+
+def section_setting(cls: type, value: Any, where: str, shorthand: str) -> Any:
+    """A setting that is a dataclass of its own (a server's capture, a router's shadow): given as one, as a
+    mapping of its fields (checked by `check_fields`), or as a string for its one required field `shorthand`;
+    None: off."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        return cls(**{shorthand: value})
+    return cls(**check_fields(cls, value, where))
 
 
 def _matches(value: Any, hint: Any) -> bool:

@@ -23,14 +23,14 @@ from kvyard.parallel.comm import current_group
 def torch_threads(n: int, cores: set[int]) -> Iterator[None]:
     """This process's torch threads, n of them, on `cores` while the block runs (rank 0 is bound to its share
     of the cores otherwise, kvyard/parallel/affinity.py)."""
-    before = torch.get_num_threads()
-    cores = bind_process(cores)
+    threads_before = torch.get_num_threads()
+    cores_before = bind_process(cores)
     torch.set_num_threads(n)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
-        bind_process(cores)
+        torch.set_num_threads(threads_before)
+        bind_process(cores_before)
 
 
 def weight_bytes(llm: LLM) -> int:

@@ -122,13 +122,9 @@ class RankActor:
         return ray.get_runtime_context().get_node_id()
 
     def run(self, rank: int, size: int, master: str, cfg: dict[str, Any], steps: str, token: str) -> None:
-        import torch
-
         from kvyard.config import EngineConfig
         from kvyard.engine.llm_engine import LLMEngine
 
-        if cfg.get("num_threads"):
-            torch.set_num_threads(cfg["num_threads"])
         join_group(rank, size, master, comm=cfg["tensor_parallel_comm"], driven=True)
         try:
             follow(LLMEngine(EngineConfig(**cfg)), StepInbox(steps, token), parent=None)

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from kvyard.parallel.shares import contiguous_share
+
 if TYPE_CHECKING:
     from kvyard.config import EngineConfig
 
@@ -30,9 +32,7 @@ def cpu_share(index: int, processes: int, cpus: list[int]) -> set[int] | None:
     """Process `index`'s cores, of `processes` sharing `cpus`; None when there are too few to share."""
     if len(cpus) < processes:
         return None
-    share, extra = divmod(len(cpus), processes)
-    start = index * share + min(index, extra)
-    return set(cpus[start : start + share + (index < extra)])
+    return {cpus[i] for i in contiguous_share(len(cpus), processes, index)}
 
 
 def bind_process(cores: set[int]) -> set[int]:

@@ -19,6 +19,7 @@ A shared expert (qwen2_moe, DeepSeek) is sliced like a dense MLP, and its partia
 """
 
 from kvyard.errors import ConfigError
+from kvyard.parallel.shares import contiguous_share
 
 PLACEMENTS = ("contiguous", "round_robin")
 
@@ -33,9 +34,7 @@ def expert_placement(num_experts: int, ranks: int, how: str = "contiguous") -> l
                           f"model has {num_experts}", param="tensor_parallel_size")
     if how == "round_robin":
         return [tuple(range(r, num_experts, ranks)) for r in range(ranks)]
-    share, extra = divmod(num_experts, ranks)
-    starts = [r * share + min(r, extra) for r in range(ranks + 1)]
-    return [tuple(range(starts[r], starts[r + 1])) for r in range(ranks)]
+    return [tuple(contiguous_share(num_experts, ranks, r)) for r in range(ranks)]
 
 
 def rank_loads(tokens_per_expert: tuple[int, ...], placement: list[tuple[int, ...]]) -> tuple[int, ...]:

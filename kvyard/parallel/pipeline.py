@@ -31,6 +31,7 @@ from kvyard.models.decoder import DecoderModel, rms_norm
 from kvyard.models.kv_layer import LayerKV
 from kvyard.parallel.affinity import bind_replica_process
 from kvyard.parallel.ranks import POLL_S, STOP, DrivingRunner, Workers, incoming, share_threads
+from kvyard.parallel.shares import contiguous_share
 from kvyard.parallel.shm import PeerLostError, process_alive
 from kvyard.parallel.tensor import TP_MODEL_TYPES, Collective, TensorParallelDecoder
 from kvyard.quant.qtensor import QuantizedTensor
@@ -47,9 +48,7 @@ _stage: tuple[int, int] | None = None  # (stage, stages) of a process started as
 
 def stage_layers(num_layers: int, stage: int, stages: int) -> range:
     """The global indices of stage `stage`'s layers: contiguous, near-equal shares, the first stages one more."""
-    share, extra = divmod(num_layers, stages)
-    start = stage * share + min(stage, extra)
-    return range(start, start + share + (stage < extra))
+    return contiguous_share(num_layers, stages, stage)
 
 
 def check_pipeline_parallel(cfg: ModelConfig, stages: int) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from kvyard.engine.model_runner import ModelRunner, StepInput
 from kvyard.net import free_port
-from kvyard.parallel.affinity import bind_process, bind_replica_process
+from kvyard.parallel.affinity import bind_process, bind_replica_process, replica_cpus
 from kvyard.parallel.comm import current_group, join_group, leave_group
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ def share_threads(cfg: "EngineConfig") -> "EngineConfig":
     if cfg.num_threads is not None:
         return cfg
     processes = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
-    cfg = replace(cfg, num_threads=max(1, (os.cpu_count() or 1) // processes))
+    cfg = replace(cfg, num_threads=max(1, len(replica_cpus()) // processes))
     torch.set_num_threads(cfg.num_threads)
     return cfg
 

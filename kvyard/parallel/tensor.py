@@ -28,6 +28,7 @@ from kvyard.models.config import ModelConfig
 from kvyard.models.decoder import DecoderModel, LayerWeights
 from kvyard.models.kv_layer import LayerKV
 from kvyard.parallel.expert import expert_placement as place_experts
+from kvyard.parallel.shares import contiguous_share
 from kvyard.quant.qtensor import QuantizedTensor
 
 # Families whose attention is the plain decoder's, with dense or MoE MLPs (OLMoE's norm over all heads at
@@ -65,7 +66,7 @@ def valid_tensor_parallel_sizes(cfg: ModelConfig, experts: bool = False, most: i
 
 
 def _has_dense_mlp(cfg: ModelConfig) -> bool:
-    return not all(cfg.sparse_layers) if cfg.sparse_layers else True
+    return not (cfg.sparse_layers and all(cfg.sparse_layers))
 
 
 def _divides(cfg: ModelConfig, ranks: int, experts: bool) -> bool:
@@ -118,9 +119,8 @@ def local_config(cfg: ModelConfig, ranks: int, experts: bool = False) -> ModelCo
 def vocab_range(vocab_size: int, rank: int, ranks: int) -> tuple[int, int]:
     """The rows [start, stop) of the embedding and LM head that rank `rank` holds: near-equal shares, the
     first `vocab_size % ranks` ranks one row more (a vocabulary need not divide by the ranks)."""
-    share, extra = divmod(vocab_size, ranks)
-    start = rank * share + min(rank, extra)
-    return start, start + share + (rank < extra)
+    rows = contiguous_share(vocab_size, ranks, rank)
+    return rows.start, rows.stop
 
 
 def kv_head_of(cfg: ModelConfig, rank: int, ranks: int) -> int:

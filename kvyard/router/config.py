@@ -4,8 +4,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvyard.cluster.auth import HEADER, token_from_env
+from kvyard.config import section_setting
 from kvyard.errors import ConfigError
-from kvyard.shadow.mirror import ShadowSettings, shadow_setting
+from kvyard.shadow.mirror import ShadowSettings
 
 POLICIES = ("kv", "round-robin", "least-loaded", "random")
 
@@ -77,7 +78,7 @@ class RouterSettings:
         if self.worker_api_key is None:
             self.worker_api_key = self.api_key
         self.cluster_token = self.cluster_token or token_from_env()
-        self.shadow = shadow_setting(self.shadow)
+        self.shadow = section_setting(ShadowSettings, self.shadow, "router setting shadow", shorthand="url")
 
     def worker_headers(self) -> dict[str, str]:
         """Headers on every request the router sends a worker."""

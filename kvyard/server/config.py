@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from kvyard.cluster.config import ClusterConfig
-from kvyard.config import EngineConfig, check_fields, parse_bytes
+from kvyard.config import EngineConfig, check_fields, parse_bytes, section_setting
 from kvyard.errors import ConfigError, InvalidRequestError
 from kvyard.server.repetition import RepetitionGuard, guard_setting
 from kvyard.shadow.capture import CaptureSettings
@@ -74,10 +74,7 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         self.max_body_bytes = parse_bytes(self.max_body_bytes)
-        if isinstance(self.capture, str):
-            self.capture = CaptureSettings(dir=self.capture)
-        elif isinstance(self.capture, dict):
-            self.capture = CaptureSettings(**check_fields(CaptureSettings, self.capture, "server: capture"))
+        self.capture = section_setting(CaptureSettings, self.capture, "server: capture", shorthand="dir")
         try:
             self.repetition_guard = guard_setting(self.repetition_guard)
         except InvalidRequestError as e:

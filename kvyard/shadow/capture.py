@@ -92,6 +92,8 @@ class TraceCapture:
             raise ConfigError(f"capture dir {self.dir}: {e.strerror}", param="capture") from e
         existing = sorted(self.dir.glob("capture-*.jsonl"))
         self._number = int(existing[-1].stem.split("-")[1]) + 1 if existing else 1
+        self._file_bytes = 0  # in the current file, capture-{_number}
+        self._trim()  # an earlier run's files count against the budget too
         self._worker: BoundedWorker[Observed] = BoundedWorker(self._write, "kvyard-capture", self.settings.queue,
                                                               self._failed)
 
@@ -160,18 +162,20 @@ class TraceCapture:
         return ids
 
     def _append(self, line: str) -> None:
-        path = self.dir / FILE_PATTERN.format(self._number)
-        if path.exists() and path.stat().st_size + len(line) > self.settings.file_bytes:  # type: ignore[operator]
-            self._number += 1
-            path = self.dir / FILE_PATTERN.format(self._number)
-        with path.open("a", encoding="utf-8") as f:
-            f.write(line)
-        self._trim()
+        data = line.encode()
+        if self._file_bytes and self._file_bytes + len(data) > self.settings.file_bytes:  # type: ignore[operator]
+            self._number += 1  # the next file; the directory is looked at only now, once a file is full
+            self._file_bytes = 0
+            self._trim()
+        with (self.dir / FILE_PATTERN.format(self._number)).open("ab") as f:
+            f.write(data)
+        self._file_bytes += len(data)
 
     def _trim(self) -> None:
+        """Delete the oldest full files until they and a whole new one fit the budget."""
         files = sorted(self.dir.glob("capture-*.jsonl"))
         total = sum(f.stat().st_size for f in files)
-        while total > self.settings.max_bytes and len(files) > 1:  # type: ignore[operator]
+        while files and total + self.settings.file_bytes > self.settings.max_bytes:  # type: ignore[operator]
             oldest = files.pop(0)
             total -= oldest.stat().st_size
             oldest.unlink()

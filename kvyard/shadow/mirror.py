@@ -123,15 +123,3 @@ class Mirror:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
-
-def shadow_setting(value: "ShadowSettings | dict[str, Any] | str | None") -> "ShadowSettings | None":
-    """The router's `shadow` setting: a URL, a mapping of ShadowSettings' fields, or None (off)."""
-    if value is None or isinstance(value, ShadowSettings):
-        return value
-    if isinstance(value, str):
-        return ShadowSettings(url=value)
-    try:
-        return ShadowSettings(**value)
-    except TypeError as e:
-        raise ConfigError(f"router setting shadow: {e}", param="shadow") from None
-
