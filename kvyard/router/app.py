@@ -4,6 +4,7 @@ POST /v1/completions, /v1/chat/completions   placed by the policy, proxied (stre
 GET  /v1/models                              from a live worker
 GET  /health                                 200 while at least one worker is routable
 GET  /metrics                                the router's Prometheus metrics
+GET  /shadow                                 with a shadow candidate: the latest pairs' verdict (kvyard/shadow)
 GET  /workers, POST /workers {"url": ...}     the registry; a worker on another machine joins by URL
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvyard import __version__
 from kvyard.router.config import RouterSettings
@@ -32,7 +33,8 @@ from kvyard.router.prompts import PromptTokenizer
 from kvyard.router.proxy import Proxy, error_body, forwarded_headers
 from kvyard.router.registry import InvalidWorkerURL, WorkerRegistry, normalize_worker_url
 from kvyard.server.guards import ApiKeyMiddleware
-from kvyard.shadow.mirror import Mirror, ShadowSettings
+from kvyard.shadow.live import Shadow
+from kvyard.shadow.mirror import ShadowSettings
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ class RouterState:
     registering: "asyncio.Task[None]"
     remote_prefill: RemotePrefill
     by_load: LeastLoaded
-    mirror: Mirror | None = None  # settings.shadow: a share of the requests to a candidate too
+    shadow: Shadow | None = None  # settings.shadow: a share of the requests to a candidate too, compared
 
     @classmethod
     def start(cls, settings: RouterSettings, tokenizer: Any) -> "RouterState":
@@ -67,16 +69,15 @@ class RouterState:
         registering = asyncio.create_task(registry.register_all())
         registry.start()
         remote = RemotePrefill(settings, registry, placement, client)
-        mirror = None
-        if isinstance(settings.shadow, ShadowSettings):  # a client of its own: the fleet's credentials stay in it
-            mirror = Mirror(settings.shadow, httpx.AsyncClient(trust_env=False), registry.metrics.shadow)
-        return cls(settings, client, registry, placement, proxy, PromptTokenizer(tokenizer), registering, remote,
-                   LeastLoaded(), mirror)
+        prompts = PromptTokenizer(tokenizer)
+        shadow = None
+        if isinstance(settings.shadow, ShadowSettings):
+            shadow = Shadow(settings.shadow, client, prompts, registry.metrics.registry, registry.metrics.shadow)
+        return cls(settings, client, registry, placement, proxy, prompts, registering, remote, LeastLoaded(), shadow)
 
     async def stop(self) -> None:
-        if self.mirror is not None:
-            await self.mirror.close()
-            await self.mirror.client.aclose()
+        if self.shadow is not None:
+            await self.shadow.close()
         self.registering.cancel()
         await self.registry.stop()
         await self.client.aclose()
@@ -126,15 +127,21 @@ def build_router_app(settings: RouterSettings, tokenizer: Any, controller: Any =
         block_size = st.registry.block_size
         tokens = await st.prompts.token_ids(path, body) if block_size else None
         req = route_request(tokens, block_size or 1)
-        if st.mirror is not None:
-            st.mirror.offer(path, body)
+        pair = st.shadow.offer(path, body, tokens) if st.shadow is not None else None
+        watch = pair.reader("primary") if pair is not None else None
         policy = None
         kv_params = await st.remote_prefill.prefill(req, tokens)
         if kv_params is not None:
             # The decode worker will hold the whole prompt once the KV arrives: only its load matters.
             body["kv_transfer_params"] = kv_params
             raw, policy = json.dumps(body).encode(), st.by_load
-        return await st.proxy.forward(path, raw, body.get("stream") is True, req, dict(request.headers), policy)
+        response = await st.proxy.forward(path, raw, body.get("stream") is True, req, dict(request.headers), policy,
+                                          watch)
+        if pair is not None and watch is not None:
+            pair.served_by = response.headers.get("x-kvyard-worker")
+            if not isinstance(response, StreamingResponse):
+                watch.close()  # a relayed stream closes it when it ends
+        return response
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -171,6 +178,13 @@ def build_router_app(settings: RouterSettings, tokenizer: Any, controller: Any =
     async def metrics() -> Response:
         body, content_type = state().registry.metrics.render()
         return Response(body, media_type=content_type)
+
+    @app.get("/shadow")
+    async def shadow() -> JSONResponse:
+        st = state()
+        if st.shadow is None:
+            return JSONResponse(error_body(404, "this router has no shadow candidate", "no_shadow"), 404)
+        return JSONResponse(st.shadow.verdict())
 
     @app.get("/workers")
     async def workers() -> JSONResponse:

@@ -17,11 +17,13 @@ from typing import TypeVar
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kvyard.net import sse_events
 from kvyard.router.observed import Observed
 from kvyard.router.placement import Decision, Placement
 from kvyard.router.policies import Policy, RouteRequest
 from kvyard.router.registry import WorkerRegistry
 from kvyard.router.worker import Worker
+from kvyard.shadow.answers import AnswerReader
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +51,6 @@ def error_body(status: int, message: str, code: str) -> dict[str, object]:
 
 def error_event(message: str) -> bytes:
     return f"data: {json.dumps(error_body(502, message, 'worker_failed'))}\n\n".encode()
-
-
-async def sse_events(resp: httpx.Response) -> AsyncIterator[bytes]:
-    """Complete server-sent events (up to and including their blank line), never half of one."""
-    buf = b""
-    async for chunk in resp.aiter_bytes():
-        buf += chunk
-        while (i := buf.find(b"\n\n")) >= 0:
-            yield buf[: i + 2]
-            buf = buf[i + 2 :]
 
 
 async def until_dead(worker: Worker, work: Awaitable[T]) -> T:
@@ -96,9 +88,10 @@ class Proxy:
 
     async def forward(
         self, path: str, raw: bytes, stream: bool, req: RouteRequest, headers: dict[str, str],
-        policy: Policy | None = None,
+        policy: Policy | None = None, watch: AnswerReader | None = None,
     ) -> Response:
-        """Place the request (with `policy`, default the router's) and relay the worker's answer."""
+        """Place the request (with `policy`, default the router's) and relay the worker's answer. `watch` reads the
+        answer as it is relayed (a shadowed request's primary side) and is closed once it has ended."""
         fwd = forwarded_headers(headers, self.client)
         arrival = time.monotonic()
         tried: set[str] = set()
@@ -114,8 +107,8 @@ class Proxy:
             self.observed.decided(d.worker.url, d.reason)
             try:
                 if stream:
-                    return await self._stream(d, req, path, raw, fwd, arrival)
-                return await self._once(d, req, path, raw, fwd)
+                    return await self._stream(d, req, path, raw, fwd, arrival, watch)
+                return await self._once(d, req, path, raw, fwd, watch)
             except WorkerFailed as e:
                 self.placement.end(d, req)
                 last_error = str(e)
@@ -131,7 +124,7 @@ class Proxy:
         return WorkerFailed(f"worker {d.worker.url} failed: {reason}")
 
     async def _once(
-        self, d: Decision, req: RouteRequest, path: str, raw: bytes, fwd: dict[str, str]
+        self, d: Decision, req: RouteRequest, path: str, raw: bytes, fwd: dict[str, str], watch: AnswerReader | None
     ) -> Response:
         try:
             r = await until_dead(d.worker, self.client.post(d.worker.url + path, content=raw, headers=fwd))
@@ -141,6 +134,8 @@ class Proxy:
             raise WorkerFailed(f"worker {d.worker.url} answered {r.status_code}")
         self.placement.end(d, req)
         self.metrics.requests.labels(d.worker.url, str(r.status_code)).inc()
+        if watch is not None and r.status_code == 200:
+            watch.whole(r.content)
         return Response(r.content, status_code=r.status_code, headers=self._headers(r, d))
 
     def _headers(self, r: httpx.Response, d: Decision) -> dict[str, str]:
@@ -149,7 +144,8 @@ class Proxy:
         return out
 
     async def _stream(
-        self, d: Decision, req: RouteRequest, path: str, raw: bytes, fwd: dict[str, str], arrival: float
+        self, d: Decision, req: RouteRequest, path: str, raw: bytes, fwd: dict[str, str], arrival: float,
+        watch: AnswerReader | None,
     ) -> Response:
         upstream = self.client.build_request("POST", d.worker.url + path, content=raw, headers=fwd)
         try:
@@ -174,15 +170,19 @@ class Proxy:
                 d, e if not isinstance(e, StopAsyncIteration) else WorkerFailed("empty stream")
             ) from e
         self.observed.record_ttft(time.monotonic() - arrival)
-        return StreamingResponse(self._relay(d, req, resp, first, events), headers=self._headers(resp, d))
+        relay = self._relay(d, req, resp, first, events, watch)
+        return StreamingResponse(relay, headers=self._headers(resp, d))
 
     async def _relay(
-        self, d: Decision, req: RouteRequest, resp: httpx.Response, first: bytes, events: AsyncIterator[bytes]
+        self, d: Decision, req: RouteRequest, resp: httpx.Response, first: bytes, events: AsyncIterator[bytes],
+        watch: AnswerReader | None,
     ) -> AsyncIterator[bytes]:
         outcome = "200"
         # A dead worker may hang rather than close the connection: closing the response cuts the stream.
         watcher = asyncio.ensure_future(self._close_when_dead(d.worker, resp))
         try:
+            if watch is not None:
+                watch.event(first)
             yield first
             done = first == DONE
             last = time.monotonic()
@@ -192,6 +192,8 @@ class Proxy:
                     if event != DONE:
                         self.observed.itl.append(now - last)
                     last = now
+                    if watch is not None:
+                        watch.event(event)
                     yield event
                     done = done or event == DONE
                 if not done:
@@ -208,6 +210,8 @@ class Proxy:
                 yield DONE
         finally:
             watcher.cancel()
+            if watch is not None:
+                watch.close()
             await resp.aclose()
             self.placement.end(d, req)
             self.metrics.requests.labels(d.worker.url, outcome).inc()

@@ -37,10 +37,11 @@ def test_a_live_candidate_answers_every_mirrored_request(make_engine, tokenizer,
     with running_worker(make_engine()) as worker, running_server(make_engine()) as candidate, \
             running_router(tokenizer, workers=[worker.url], model=str(tiny_path), shadow=candidate.url) as router:
         texts = [_ask(router, prompt=f"{ASK['prompt']} {i}")[0] for i in range(3)]
-        mirror = router.app.state.router.mirror
-        assert wait_until(lambda: len(mirror.answers) == 3, 30)
+        mirror = router.app.state.router.shadow.mirror
+        assert wait_until(lambda: len(mirror.pairs) == 3, 30)
         # the same model and settings: the candidate's text is the primary's, request for request
-        assert sorted(a.text for a in mirror.answers) == sorted(texts)
+        assert sorted(p.candidate.text for p in mirror.pairs) == sorted(texts)
+        assert all(p.primary.text == p.candidate.text for p in mirror.pairs)
         assert _shadow_counts(router) == {"sent": 3.0, "ok": 3.0}
 
 
@@ -49,7 +50,7 @@ def test_a_dead_candidate_is_skipped_and_clients_see_nothing(make_engine, tokeni
     with running_worker(make_engine()) as worker, running_router(
             tokenizer, workers=[worker.url], model=str(tiny_path),
             shadow={"url": dead, "dead_after": 2, "retry_after_s": 60}) as router:
-        mirror = router.app.state.router.mirror
+        mirror = router.app.state.router.shadow.mirror
         for _ in range(4):
             _ask(router)
             assert wait_until(lambda: mirror.in_flight == 0, 10)

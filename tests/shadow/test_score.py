@@ -34,8 +34,8 @@ async def _scores(primary_url: str, candidate_url: str, records: list[dict]) -> 
             ids, out = r["prompt_token_ids"], r["output_token_ids"]
             theirs = await c.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": len(out),
                                                            "temperature": 0, "ignore_eos": True})
-            primary = Answer(r["output"], dists=await score_tokens(p, "tiny", ids, out))
-            candidate = Answer(theirs.json()["choices"][0]["text"], dists=await score_tokens(c, "tiny", ids, out))
+            primary = Answer(r["output"], dists=await score_tokens(p, primary_url, "tiny", ids, out))
+            candidate = Answer(theirs.json()["choices"][0]["text"], dists=await score_tokens(c, candidate_url, "tiny", ids, out))
             scores.append(score_pair(f"r{i}", primary, candidate))
         return scores
 

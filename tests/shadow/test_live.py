@@ -1,0 +1,83 @@
+"""Live comparison in the router: each mirrored request's two answers are read as they are relayed, scored off
+the serving path (teacher-forced KL through both sides' prompt_logprobs), counted in /metrics, summed up at
+GET /shadow and written to the record for `kvyard shadow report`."""
+
+import json
+
+import httpx
+import pytest
+
+from kvyard.net import free_port
+from tests.router.conftest import make_engine, tiny_path, tokenizer  # noqa: F401 - the router tests' fixtures
+from tests.router.harness import running_router, running_worker
+from tests.server.harness import running_server, wait_until
+
+ASKS = [  # streamed and not, completions and chat: every way the primary's answer is read
+    ("/v1/completions", {"prompt": "Once upon a time", "stream": True}),
+    ("/v1/completions", {"prompt": "The quick brown fox"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hello"}], "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to three"}]}),
+]
+
+
+def _ask(url: str, path: str, body: dict) -> str:
+    body = {**body, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url + path, json=body, timeout=60, trust_env=False)
+    assert r.status_code == 200, r.text
+    if not body.get("stream"):
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"] if "message" in choice else choice["text"]
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    return "".join(c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or ""
+                   for c in chunks if c["choices"])
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+@pytest.mark.parametrize("candidate_options", [{}, {"quantization": "int4-g32"}], ids=["identical", "int4"])
+def test_pairs_are_scored_live(make_engine, tokenizer, tiny_path, tmp_path, candidate_options):  # noqa: F811
+    record = tmp_path / "pairs.jsonl"
+    with running_worker(make_engine()) as worker, running_server(make_engine(**candidate_options)) as candidate, \
+            running_router(tokenizer, workers=[worker.url], model=str(tiny_path),
+                           shadow={"url": candidate.url, "record": str(record)}) as router:
+        texts = [_ask(router.url, path, body) for path, body in ASKS]
+        comparator = router.app.state.router.shadow.comparator
+        assert wait_until(lambda: len(comparator.scores) == len(ASKS), 60)
+        report = httpx.get(router.url + "/shadow", timeout=10, trust_env=False).json()
+        metrics = httpx.get(router.url + "/metrics", timeout=10, trust_env=False).text
+    pairs = [json.loads(line) for line in record.read_text().splitlines()]
+    assert sorted(p["primary"]["text"] for p in pairs) == sorted(texts)  # what the clients were sent
+    assert all(p["score"]["scored_tokens"] > 0 and p["score"]["greedy"] for p in pairs)
+    assert _metric(metrics, 'kvyard_shadow_pairs_total{outcome="scored"}') == len(ASKS)
+    assert _metric(metrics, "kvyard_shadow_kl_count") == len(ASKS)
+    summary = report["summary"]
+    if not candidate_options:
+        assert summary["kl_mean"] < 1e-6 and summary["exact_match"] == 1.0 and summary["top1_agreement"] == 1.0
+        assert all(p["candidate"]["text"] == p["primary"]["text"] for p in pairs)
+        assert _metric(metrics, 'kvyard_shadow_exact_match_total{match="true"}') == len(ASKS)
+    else:  # int4 weights: flagged, the worst pair first
+        assert not report["passed"] and summary["kl_mean"] > 1e-4 and summary["exact_match"] < 1
+        assert any(f.startswith("exact_match") for f in report["failures"])
+        assert report["worst"][0]["kl_mean"] == max(p["score"]["kl_mean"] for p in pairs)
+
+
+def test_redaction_keeps_no_text_and_failed_candidates_are_recorded(make_engine, tokenizer, tiny_path,  # noqa: F811
+                                                                      tmp_path):
+    record = tmp_path / "pairs.jsonl"
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with running_worker(make_engine()) as worker, running_router(
+            tokenizer, workers=[worker.url], model=str(tiny_path),
+            shadow={"url": dead, "record": str(record), "redact": True}) as router:
+        secret = "my secret password is swordfish"
+        _ask(router.url, "/v1/completions", {"prompt": secret})
+        comparator = router.app.state.router.shadow.comparator
+        assert wait_until(lambda: record.exists() and record.read_text().count("\n") == 1, 30)
+        metrics = httpx.get(router.url + "/metrics", timeout=10, trust_env=False).text
+    text = record.read_text()
+    assert "swordfish" not in text and "secret" not in text
+    (line,) = [json.loads(x) for x in text.splitlines()]
+    assert line["score"] is None and "ConnectError" in line["errors"]["candidate"]
+    assert _metric(metrics, 'kvyard_shadow_pairs_total{outcome="candidate_failed"}') == 1
+    assert not comparator.scores
