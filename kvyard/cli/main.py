@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_moe_parser(sub)
 
+    from kvyard.shadow.report import add_shadow_parser
+
+    add_shadow_parser(sub)
+
     fetch = sub.add_parser("fetch", help="download and verify a known model, print its path")
     fetch.add_argument("name", nargs="?", default="smollm2-135m")
     fetch.set_defaults(func=cmd_fetch)

@@ -7,6 +7,8 @@ import json
 import httpx
 import pytest
 
+from kvyard.cli.main import build_parser, main
+from kvyard.errors import ConfigError
 from kvyard.net import free_port
 from tests.router.conftest import make_engine, tiny_path, tokenizer  # noqa: F401 - the router tests' fixtures
 from tests.router.harness import running_router, running_worker
@@ -61,6 +63,25 @@ def test_pairs_are_scored_live(make_engine, tokenizer, tiny_path, tmp_path, cand
         assert not report["passed"] and summary["kl_mean"] > 1e-4 and summary["exact_match"] < 1
         assert any(f.startswith("exact_match") for f in report["failures"])
         assert report["worst"][0]["kl_mean"] == max(p["score"]["kl_mean"] for p in pairs)
+    _check_report(record, tmp_path / "report", pairs, passes=not candidate_options)
+
+
+def _check_report(record, out, pairs: list[dict], passes: bool) -> None:
+    """`kvyard shadow report` on the record: the verdict as the exit code, the worst pair first with its texts."""
+    assert main(["shadow", "report", str(record), "--out", str(out), "--ttft-delta-s", "60"]) == (0 if passes else 1)
+    md = (out / "report.md").read_text()
+    assert md.startswith(f"# Shadow report: {'PASS' if passes else 'FAIL'}")
+    worst = max(pairs, key=lambda p: p["score"]["kl_mean"])
+    assert md.index(worst["id"]) < min(md.index(p["id"]) for p in pairs if p["id"] != worst["id"])
+    assert worst["candidate"]["text"][:50] in md
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["passed"] is passes and saved["counts"] == {"pairs": len(pairs), "scored": len(pairs)}
+    assert (out / "report.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_broken_record_is_named():
+    with pytest.raises(ConfigError, match="no shadow record"):
+        main_raising(["shadow", "report", "/nonexistent/pairs.jsonl"])
 
 
 def test_redaction_keeps_no_text_and_failed_candidates_are_recorded(make_engine, tokenizer, tiny_path,  # noqa: F811
@@ -81,3 +102,15 @@ def test_redaction_keeps_no_text_and_failed_candidates_are_recorded(make_engine,
     assert line["score"] is None and "ConnectError" in line["errors"]["candidate"]
     assert _metric(metrics, 'kvyard_shadow_pairs_total{outcome="candidate_failed"}') == 1
     assert not comparator.scores
+
+
+def main_raising(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+def test_a_record_with_a_bad_line_is_named(tmp_path):
+    record = tmp_path / "pairs.jsonl"
+    record.write_text('{"id": "a", "score": null}\nnot json\n')
+    with pytest.raises(ConfigError, match=r"pairs.jsonl:2: not a JSON line"):
+        main_raising(["shadow", "report", str(record), "--out", str(tmp_path / "out")])
