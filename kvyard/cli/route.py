@@ -1,6 +1,7 @@
 """`kvyard route` (the cache-aware router in front of running workers) and `kvyard up` (workers + router)."""
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -17,7 +18,20 @@ if TYPE_CHECKING:
     from kvyard.cluster.config import ClusterConfig
 
 # RouterSettings fields that are flags of both commands: (name, type, help)
-_ROUTER_FLAGS: list[tuple[str, type, str]] = [
+def shadow_arg(value: str) -> str | dict[str, Any]:
+    """--shadow: a URL, or a JSON object of the shadow settings."""
+    if not value.lstrip().startswith("{"):
+        return value
+    try:
+        settings = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {e}") from e
+    if not isinstance(settings, dict):
+        raise argparse.ArgumentTypeError("not a JSON object")
+    return settings
+
+
+_ROUTER_FLAGS: list[tuple[str, Any, str]] = [
     ("host", str, "address to listen on (default 127.0.0.1)"),
     ("block_size", int, "KV block size of the workers (default: the first worker's)"),
     ("prefill_weight", float, "kv policy: cost per uncached prompt block (default 1.0)"),
@@ -37,8 +51,10 @@ _ROUTER_FLAGS: list[tuple[str, type, str]] = [
                                     "(default 2)"),
     ("seed", int, "seed of the random choices"),
     ("log_level", str, "log level (default info)"),
-    ("shadow", str, "mirror every request to this candidate deployment too, fire-and-forget (its answers reach no "
-                    "client); sampling and filters from a mapping in code or a deployment file (#37)"),
+    ("shadow", shadow_arg, "mirror requests to this candidate deployment too, fire-and-forget (its answers reach no "
+                           "client), and compare its answers with the primary's: a URL, or a JSON object of shadow "
+                           "settings, e.g. '{\"url\": \"http://127.0.0.1:8100\", \"sample\": 0.1, \"score\": 0.5, "
+                           "\"record\": \"pairs.jsonl\"}' (kvyard/shadow/mirror.py ShadowSettings; #37)"),
 ]
 
 

@@ -3,7 +3,7 @@
 Each pair whose two answers have ended (kvyard/shadow/mirror.py) is scored off the serving path: one background
 task reads a bounded queue, and a pair that finds it full is dropped and counted, never waited for. Scoring:
 - the texts, JSON validity, tool calls and latencies straight from the two answers;
-- with `score` on, the teacher-forced KL and top-1 agreement: the primary's text is tokenized as the router
+- for a `score` share of the pairs, the teacher-forced KL and top-1 agreement: the primary's text is tokenized as the router
   tokenizes prompts, and both the worker that served it and the candidate return their distributions at each of
   its tokens (kvyard/shadow/score.py). That is one extra prefill on each side per pair.
 Results go to the router's /metrics (kvyard_shadow_*) and, with `record` set, one JSON line per pair for
@@ -13,6 +13,7 @@ Results go to the router's /metrics (kvyard_shadow_*) and, with `record` set, on
 import asyncio
 import json
 import logging
+import random
 from collections import deque
 from dataclasses import asdict
 from pathlib import Path
@@ -80,6 +81,7 @@ class LiveComparator:
         self.metrics = metrics
         self.queue: asyncio.Queue[Pair] = asyncio.Queue(maxsize=settings.queue)
         self.scores: deque[PairScore] = deque(maxlen=settings.keep)  # the latest, for GET /shadow
+        self._random = random.Random()
         self.record: IO[str] | None = None
         if settings.record:
             Path(settings.record).parent.mkdir(parents=True, exist_ok=True)
@@ -108,7 +110,7 @@ class LiveComparator:
             self.metrics.pairs.labels("primary_failed" if pair.primary is None else "candidate_failed").inc()
             self._write(pair, None)
             return
-        if self.settings.score and pair.primary.text and pair.served_by:
+        if pair.primary.text and pair.served_by and self._random.random() < self.settings.score:
             try:
                 await self._teacher_force(pair, pair.primary, pair.candidate)
             except (httpx.HTTPError, ValueError, KeyError) as e:

@@ -42,14 +42,16 @@ class ShadowSettings:
     dead_after: int = 3  # failures in a row before the candidate is skipped for a while
     retry_after_s: float = 10.0
     keep: int = 1024  # the last pairs kept in memory
-    score: bool = True  # teacher-force the primary's tokens on both sides for KL and top-1 (kvyard/shadow/live.py)
+    # The share of pairs teacher-forced on both sides for KL and top-1 (kvyard/shadow/live.py). Each costs a
+    # prefill of the prompt and the answer on the primary's worker too: lower it where the primary is saturated.
+    score: float = 1.0
     queue: int = 256  # pairs waiting to be scored; more are dropped (counted)
     record: str | None = None  # a JSON-lines file of the scored pairs, for `kvyard shadow report`
     redact: bool = False  # leave the prompts and the texts out of the record
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/").removesuffix("/v1")
-        for name, ok in (("sample", 0.0 <= self.sample <= 1.0), ("max_in_flight", self.max_in_flight >= 1),
+        for name, ok in (("sample", 0.0 <= self.sample <= 1.0), ("score", 0.0 <= self.score <= 1.0), ("max_in_flight", self.max_in_flight >= 1),
                          ("timeout_s", self.timeout_s > 0), ("dead_after", self.dead_after >= 1),
                          ("retry_after_s", self.retry_after_s >= 0), ("keep", self.keep >= 1),
                          ("queue", self.queue >= 1)):

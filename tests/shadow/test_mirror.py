@@ -76,3 +76,19 @@ def test_shadow_settings_are_checked():
         RouterSettings(shadow={"url": "http://127.0.0.1:9", "sample": 2})
     with pytest.raises(ConfigError, match="shadow"):
         RouterSettings(shadow={"url": "http://127.0.0.1:9", "rate": 0.5})
+
+
+def test_the_shadow_flag_takes_a_url_or_a_json_object(capsys):
+    from kvyard.cli.main import build_parser
+    from kvyard.cli.route import router_settings
+
+    def settings(value: str):
+        args = build_parser().parse_args(["route", "--worker", "http://127.0.0.1:9", "--shadow", value])
+        return router_settings(args, args.worker, 8000).shadow
+
+    assert settings("http://127.0.0.1:7").url == "http://127.0.0.1:7"
+    full = settings('{"url": "http://127.0.0.1:7", "score": 0.25, "record": "pairs.jsonl", "max_in_flight": 64}')
+    assert (full.score, full.record, full.max_in_flight) == (0.25, "pairs.jsonl", 64)
+    with pytest.raises(SystemExit):
+        settings('{"url": ')
+    assert "not a JSON object" in capsys.readouterr().err
