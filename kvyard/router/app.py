@@ -72,7 +72,8 @@ class RouterState:
         prompts = PromptTokenizer(tokenizer)
         shadow = None
         if isinstance(settings.shadow, ShadowSettings):
-            shadow = Shadow(settings.shadow, client, prompts, registry.metrics.registry, registry.metrics.shadow)
+            shadow = Shadow(settings.shadow, client, prompts, registry.metrics.registry, registry.metrics.shadow,
+                            lambda url: registry.workers[url].in_flight if url in registry.workers else 0)
         return cls(settings, client, registry, placement, proxy, prompts, registering, remote, LeastLoaded(), shadow)
 
     async def stop(self) -> None:

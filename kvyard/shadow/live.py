@@ -5,7 +5,8 @@ task reads a bounded queue, and a pair that finds it full is dropped and counted
 - the texts, JSON validity, tool calls and latencies straight from the two answers;
 - for a `score` share of the pairs, the teacher-forced KL and top-1 agreement: the primary's text is tokenized as the router
   tokenizes prompts, and both the worker that served it and the candidate return their distributions at each of
-  its tokens (kvyard/shadow/score.py). That is one extra prefill on each side per pair.
+  its tokens (kvyard/shadow/score.py). That is one extra prefill on each side per pair; with `score_when_idle`
+  the primary's is sent only while its worker has no client request in flight.
 Results go to the router's /metrics (kvyard_shadow_*) and, with `record` set, one JSON line per pair for
 `kvyard shadow report`; `redact` leaves the prompts and texts out of the file.
 """
@@ -15,6 +16,7 @@ import json
 import logging
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
@@ -28,6 +30,7 @@ from kvyard.shadow.score import score_tokens
 
 log = logging.getLogger(__name__)
 
+IDLE_POLL_S = 0.005  # how often score_when_idle looks at the primary's worker
 KL_BUCKETS = (1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 SHARE_BUCKETS = (0.5, 0.8, 0.9, 0.95, 0.99, 1.0)
 DELTA_BUCKETS = (-1.0, -0.3, -0.1, -0.03, -0.01, 0.0, 0.01, 0.03, 0.1, 0.3, 1.0)
@@ -36,7 +39,8 @@ DELTA_BUCKETS = (-1.0, -0.3, -0.1, -0.03, -0.01, 0.0, 0.01, 0.03, 0.1, 0.3, 1.0)
 class ShadowMetrics:
     def __init__(self, registry: CollectorRegistry):
         self.pairs = Counter("kvyard_shadow_pairs", "Mirrored requests by what became of the pair: scored, "
-                             "primary_failed, candidate_failed, score_failed, dropped (the comparator was busy)",
+                             "primary_failed, candidate_failed, score_failed, score_skipped_busy (the primary's worker was never "
+                             "idle), dropped (the comparator was busy)",
                              ["outcome"], registry=registry)
         self.exact = Counter("kvyard_shadow_exact_match", "Scored pairs at temperature 0, by whether the "
                              "candidate's text was the primary's", ["match"], registry=registry)
@@ -58,8 +62,9 @@ class ShadowMetrics:
         self.pairs.labels("scored").inc()
         if s.greedy:
             self.exact.labels(str(s.exact_match).lower()).inc()
-        self.kl.observe(s.kl_mean)
-        self.top1.observe(s.top1_agreement)
+        if s.scored_tokens:  # teacher-forced: KL and top-1 were measured
+            self.kl.observe(s.kl_mean)
+            self.top1.observe(s.top1_agreement)
         for value, histogram in ((s.ttft_delta_s, self.ttft), (s.itl_delta_s, self.itl)):
             if value is not None:
                 histogram.observe(value)
@@ -71,9 +76,12 @@ class ShadowMetrics:
 
 class LiveComparator:
     def __init__(self, settings: ShadowSettings, primary_client: httpx.AsyncClient,
-                 candidate_client: httpx.AsyncClient, tokenizer: Any, metrics: ShadowMetrics):
+                 candidate_client: httpx.AsyncClient, tokenizer: Any, metrics: ShadowMetrics,
+                 in_flight: Callable[[str], int] = lambda url: 0):
         """`primary_client` reaches the fleet's workers (with their credentials), `candidate_client` the candidate;
-        `tokenizer` is the router's kvyard.router.prompts.PromptTokenizer."""
+        `tokenizer` is the router's kvyard.router.prompts.PromptTokenizer; `in_flight(url)`: the client requests a
+        worker has in flight now."""
+        self.in_flight = in_flight
         self.settings = settings
         self.primary_client = primary_client
         self.candidate_client = candidate_client
@@ -113,6 +121,9 @@ class LiveComparator:
         if pair.primary.text and pair.served_by and self._random.random() < self.settings.score:
             try:
                 await self._teacher_force(pair, pair.primary, pair.candidate)
+            except TimeoutError:
+                pair.errors["score"] = f"{pair.served_by} was never idle for {self.settings.timeout_s:g} s"
+                self.metrics.pairs.labels("score_skipped_busy").inc()
             except (httpx.HTTPError, ValueError, KeyError) as e:
                 pair.errors["score"] = f"{type(e).__name__}: {e}"
                 self.metrics.pairs.labels("score_failed").inc()
@@ -128,10 +139,16 @@ class LiveComparator:
         if not prompt_ids:
             raise ValueError("the prompt cannot be tokenized in the router")
         output_ids = await self.tokenizer.output_ids(primary.text)
+        if self.settings.score_when_idle:
+            await asyncio.wait_for(self._idle(pair.served_by), self.settings.timeout_s)
         model = pair.body.get("model")
         primary.dists, candidate.dists = await asyncio.gather(
             score_tokens(self.primary_client, pair.served_by, model, prompt_ids, output_ids),
             score_tokens(self.candidate_client, self.settings.url, model, prompt_ids, output_ids))
+
+    async def _idle(self, url: str) -> None:
+        while self.in_flight(url) > 0:
+            await asyncio.sleep(IDLE_POLL_S)
 
     def _write(self, pair: Pair, score: PairScore | None) -> None:
         if self.record is None:
@@ -157,11 +174,11 @@ class Shadow:
     """The router's shadowing: the mirror that sends the copies and the comparator that scores the pairs."""
 
     def __init__(self, settings: ShadowSettings, fleet_client: httpx.AsyncClient, tokenizer: Any,
-                 registry: CollectorRegistry, counter: Any):
+                 registry: CollectorRegistry, counter: Any, in_flight: Callable[[str], int] = lambda url: 0):
         # A client of its own for the candidate: the fleet's credentials stay with the fleet.
-        self.candidate_client = httpx.AsyncClient(trust_env=False)
+        self.candidate_client = httpx.AsyncClient(trust_env=False, timeout=settings.timeout_s)
         self.comparator = LiveComparator(settings, fleet_client, self.candidate_client, tokenizer,
-                                         ShadowMetrics(registry))
+                                         ShadowMetrics(registry), in_flight)
         self.mirror = Mirror(settings, self.candidate_client, counter, on_pair=self.comparator.submit)
 
     def offer(self, path: str, body: dict[str, Any], prompt_ids: list[int] | None) -> Pair | None:

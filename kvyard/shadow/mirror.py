@@ -45,6 +45,9 @@ class ShadowSettings:
     # The share of pairs teacher-forced on both sides for KL and top-1 (kvyard/shadow/live.py). Each costs a
     # prefill of the prompt and the answer on the primary's worker too: lower it where the primary is saturated.
     score: float = 1.0
+    # Teacher-force the primary's side only while its worker has no client request in flight (waiting up to
+    # timeout_s, else the pair is left unscored and counted): scoring then takes the primary's idle time only.
+    score_when_idle: bool = True
     queue: int = 256  # pairs waiting to be scored; more are dropped (counted)
     record: str | None = None  # a JSON-lines file of the scored pairs, for `kvyard shadow report`
     redact: bool = False  # leave the prompts and the texts out of the record

@@ -114,3 +114,22 @@ def test_a_record_with_a_bad_line_is_named(tmp_path):
     record.write_text('{"id": "a", "score": null}\nnot json\n')
     with pytest.raises(ConfigError, match=r"pairs.jsonl:2: not a JSON line"):
         main_raising(["shadow", "report", str(record), "--out", str(tmp_path / "out")])
+
+
+def test_scoring_waits_for_the_primary_to_be_idle(make_engine, tokenizer, tiny_path, tmp_path):  # noqa: F811
+    """score_when_idle: the primary's worker is never idle here, so the pair is compared without teacher-forcing
+    (no KL measured) and counted; the client's answer is unaffected."""
+    record = tmp_path / "pairs.jsonl"
+    with running_worker(make_engine()) as worker, running_server(make_engine()) as candidate, \
+            running_router(tokenizer, workers=[worker.url], model=str(tiny_path),
+                           shadow={"url": candidate.url, "record": str(record), "timeout_s": 2}) as router:
+        comparator = router.app.state.router.shadow.comparator
+        comparator.in_flight = lambda url: 1  # as if a client request were always in flight there
+        text = _ask(router.url, *ASKS[1])
+        assert wait_until(lambda: len(comparator.scores) == 1, 30)
+        metrics = httpx.get(router.url + "/metrics", timeout=10, trust_env=False).text
+    (line,) = [json.loads(x) for x in record.read_text().splitlines()]
+    assert line["primary"]["text"] == text and line["score"]["scored_tokens"] == 0
+    assert "never idle" in line["errors"]["score"]
+    assert _metric(metrics, 'kvyard_shadow_pairs_total{outcome="score_skipped_busy"}') == 1
+    assert _metric(metrics, "kvyard_shadow_kl_count") == 0
