@@ -144,7 +144,8 @@ class LiveComparator:
         model = pair.body.get("model")
         primary.dists, candidate.dists = await asyncio.gather(
             score_tokens(self.primary_client, pair.served_by, model, prompt_ids, output_ids),
-            score_tokens(self.candidate_client, self.settings.url, model, prompt_ids, output_ids))
+            score_tokens(self.candidate_client, self.settings.url, self.settings.candidate_model or model, prompt_ids,
+                         output_ids))
 
     async def _idle(self, url: str) -> None:
         while self.in_flight(url) > 0:

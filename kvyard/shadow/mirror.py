@@ -37,6 +37,7 @@ class ShadowSettings:
     sample: float = 1.0  # the share of requests mirrored
     routes: list[str] = field(default_factory=list)  # e.g. ["/v1/chat/completions"]; empty: every route
     models: list[str] = field(default_factory=list)  # the request's "model"; empty: every model
+    candidate_model: str | None = None  # the "model" the candidate is sent (None: the request's own)
     max_in_flight: int = 16
     timeout_s: float = 120.0
     dead_after: int = 3  # failures in a row before the candidate is skipped for a while
@@ -133,6 +134,8 @@ class Mirror:
     async def _send(self, pair: Pair) -> None:
         # Streamed whatever the client asked, so that its first token and the gaps are timed as the primary's are.
         body = {**pair.body, "stream": True}
+        if self.settings.candidate_model is not None:
+            body["model"] = self.settings.candidate_model
         body.pop("stream_options", None)
         reader = pair.reader("candidate")
         try:

@@ -41,10 +41,13 @@ def _metric(text: str, name: str) -> float:
 @pytest.mark.parametrize("candidate_options", [{}, {"quantization": "int4-g32"}], ids=["identical", "int4"])
 def test_pairs_are_scored_live(make_engine, tokenizer, tiny_path, tmp_path, candidate_options):  # noqa: F811
     record = tmp_path / "pairs.jsonl"
-    with running_worker(make_engine()) as worker, running_server(make_engine(**candidate_options)) as candidate, \
+    # The candidate serves under a name of its own, as a new deployment would: candidate_model is what it is sent.
+    with running_worker(make_engine()) as worker, \
+            running_server(make_engine(**candidate_options), served_model_name="candidate") as candidate, \
             running_router(tokenizer, workers=[worker.url], model=str(tiny_path),
-                           shadow={"url": candidate.url, "record": str(record)}) as router:
-        texts = [_ask(router.url, path, body) for path, body in ASKS]
+                           shadow={"url": candidate.url, "record": str(record), "candidate_model": "candidate"}) \
+            as router:
+        texts = [_ask(router.url, path, {**body, "model": str(tiny_path)}) for path, body in ASKS]
         comparator = router.app.state.router.shadow.comparator
         assert wait_until(lambda: len(comparator.scores) == len(ASKS), 60)
         report = httpx.get(router.url + "/shadow", timeout=10, trust_env=False).json()
