@@ -33,6 +33,9 @@ class PromptTokenizer:
         """A generated text as token ids, to be scored after its prompt (no special tokens of its own)."""
         return await self._front.encode(text, add_special_tokens=False)
 
+    async def text(self, token_ids: list[int]) -> str:
+        return await self._front.decode(token_ids)
+
     async def _prompt(self, prompt: Any) -> list[int] | None:
         if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
             prompt = prompt[0]  # a batch of prompts: place it by the first

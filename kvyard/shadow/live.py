@@ -116,7 +116,7 @@ class LiveComparator:
     async def _compare(self, pair: Pair) -> None:
         if pair.primary is None or pair.candidate is None:
             self.metrics.pairs.labels("primary_failed" if pair.primary is None else "candidate_failed").inc()
-            self._write(pair, None)
+            await self._write(pair, None)
             return
         if pair.primary.text and pair.served_by and self._random.random() < self.settings.score:
             try:
@@ -131,7 +131,7 @@ class LiveComparator:
         score = score_pair(pair.request_id, pair.primary, pair.candidate, greedy=temperature == 0)
         self.metrics.observe(score)
         self.scores.append(score)
-        self._write(pair, score)
+        await self._write(pair, score)
 
     async def _teacher_force(self, pair: Pair, primary: Answer, candidate: Answer) -> None:
         assert pair.served_by is not None
@@ -151,7 +151,7 @@ class LiveComparator:
         while self.in_flight(url) > 0:
             await asyncio.sleep(IDLE_POLL_S)
 
-    def _write(self, pair: Pair, score: PairScore | None) -> None:
+    async def _write(self, pair: Pair, score: PairScore | None) -> None:
         if self.record is None:
             return
         line: dict[str, Any] = {"id": pair.request_id, "arrived": pair.arrived, "path": pair.path,
@@ -159,6 +159,9 @@ class LiveComparator:
                                 "errors": pair.errors, "score": asdict(score) if score else None}
         if not self.settings.redact:
             line["request"] = {k: pair.body[k] for k in ("prompt", "messages", "tools") if k in pair.body}
+            prompt = pair.body.get("prompt")
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                line["request"]["prompt_text"] = await self.tokenizer.text(prompt)  # for the report's reader
             for side in ("primary", "candidate"):
                 answer: Answer | None = getattr(pair, side)
                 line[side] = None if answer is None else {"text": answer.text, "tool_calls": answer.tool_calls}

@@ -65,13 +65,21 @@ def markdown(v: Verdict, counts: dict[str, int], budgets: Budgets, lines: list[d
         line = by_id.get(s.request_id, {})
         out.append(f"### {s.request_id}: KL mean {s.kl_mean:.3g} (max {s.kl_max:.3g}), top-1 "
                    f"{s.top1_agreement:.0%}, exact match {'yes' if s.exact_match else 'no'}")
-        for label, text in (("request", line.get("request")), ("primary", _text(line.get("primary"))),
+        for label, text in (("request", _request(line.get("request"))), ("primary", _text(line.get("primary"))),
                             ("candidate", _text(line.get("candidate")))):
             if text is not None:
                 shown = text if isinstance(text, str) else json.dumps(text)
                 out += ["", f"{label}:", "```", shown[:SHOWN_CHARS], "```"]
         out.append("")
     return "\n".join(out) + "\n"
+
+
+def _request(request: dict[str, Any] | None) -> Any:
+    """A prompt sent as token ids is shown as its text."""
+    if request and "prompt_text" in request:
+        return {"prompt": request["prompt_text"], **{k: v for k, v in request.items() if k not in ("prompt",
+                                                                                            "prompt_text")}}
+    return request
 
 
 def _text(answer: dict[str, Any] | None) -> str | None:

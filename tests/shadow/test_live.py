@@ -10,6 +10,7 @@ import pytest
 from kvyard.cli.main import build_parser, main
 from kvyard.errors import ConfigError
 from kvyard.net import free_port
+from kvyard.quant.tool import QuantizeOptions, quantize_model
 from tests.router.conftest import make_engine, tiny_path, tokenizer  # noqa: F401 - the router tests' fixtures
 from tests.router.harness import running_router, running_worker
 from tests.server.harness import running_server, wait_until
@@ -17,6 +18,7 @@ from tests.server.harness import running_server, wait_until
 ASKS = [  # streamed and not, completions and chat: every way the primary's answer is read
     ("/v1/completions", {"prompt": "Once upon a time", "stream": True}),
     ("/v1/completions", {"prompt": "The quick brown fox"}),
+    ("/v1/completions", {"prompt": [40, 41, 42, 43, 44, 45]}),  # token ids: the record adds their text
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hello"}], "stream": True}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to three"}]}),
 ]
@@ -38,8 +40,19 @@ def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-@pytest.mark.parametrize("candidate_options", [{}, {"quantization": "int4-g32"}], ids=["identical", "int4"])
-def test_pairs_are_scored_live(make_engine, tokenizer, tiny_path, tmp_path, candidate_options):  # noqa: F811
+@pytest.fixture(scope="module")
+def int4_head(tiny_path, tmp_path_factory):  # noqa: F811
+    """The issue's degraded example: int4 weights with the LM head quantized (int4) as well."""
+    out = tmp_path_factory.mktemp("int4-head")
+    quantize_model(QuantizeOptions(model=str(tiny_path), out=out, scheme="int4-g32", head_scheme="int4-g32",
+                                   dtype="float32", progress=False, max_seq_len=64, sensitivity=False,
+                                   tool_eval=False))
+    return out
+
+
+@pytest.mark.parametrize("degraded", [False, True], ids=["identical", "int4-head"])
+def test_pairs_are_scored_live(make_engine, tokenizer, tiny_path, tmp_path, request, degraded):  # noqa: F811
+    candidate_options = {"model": str(request.getfixturevalue("int4_head"))} if degraded else {}
     record = tmp_path / "pairs.jsonl"
     # The candidate serves under a name of its own, as a new deployment would: candidate_model is what it is sent.
     with running_worker(make_engine()) as worker, \
@@ -55,18 +68,20 @@ def test_pairs_are_scored_live(make_engine, tokenizer, tiny_path, tmp_path, cand
     pairs = [json.loads(line) for line in record.read_text().splitlines()]
     assert sorted(p["primary"]["text"] for p in pairs) == sorted(texts)  # what the clients were sent
     assert all(p["score"]["scored_tokens"] > 0 and p["score"]["greedy"] for p in pairs)
+    (ids,) = [p["request"] for p in pairs if "prompt_text" in p["request"]]
+    assert ids["prompt_text"] == tokenizer.decode(ids["prompt"])
     assert _metric(metrics, 'kvyard_shadow_pairs_total{outcome="scored"}') == len(ASKS)
     assert _metric(metrics, "kvyard_shadow_kl_count") == len(ASKS)
     summary = report["summary"]
-    if not candidate_options:
+    if not degraded:
         assert summary["kl_mean"] < 1e-6 and summary["exact_match"] == 1.0 and summary["top1_agreement"] == 1.0
         assert all(p["candidate"]["text"] == p["primary"]["text"] for p in pairs)
         assert _metric(metrics, 'kvyard_shadow_exact_match_total{match="true"}') == len(ASKS)
-    else:  # int4 weights: flagged, the worst pair first
+    else:  # int4 weights and head: flagged, the worst pair first
         assert not report["passed"] and summary["kl_mean"] > 1e-4 and summary["exact_match"] < 1
         assert any(f.startswith("exact_match") for f in report["failures"])
         assert report["worst"][0]["kl_mean"] == max(p["score"]["kl_mean"] for p in pairs)
-    _check_report(record, tmp_path / "report", pairs, passes=not candidate_options)
+    _check_report(record, tmp_path / "report", pairs, passes=not degraded)
 
 
 def _check_report(record, out, pairs: list[dict], passes: bool) -> None:
