@@ -1,0 +1,89 @@
+"""`kvyard plan`: the memory a deployment needs, the fewest devices and the parallel layouts that hold it (#38).
+
+    kvyard plan --model smollm2-135m --hardware this --context 4096 --concurrency 32
+    kvyard plan --describe params=2.8e12,layers=61,hidden=7168,heads=128,kv_lora_rank=512,rope_dim=64 \\
+        --weights nvfp4 --hardware gb300 --context 131072 --concurrency 8
+"""
+
+import argparse
+import json
+from dataclasses import asdict
+from typing import Any
+
+from kvyard.plan.hardware import CATALOGUE, device
+from kvyard.plan.layouts import devices_by_memory, layouts
+from kvyard.plan.memory import WEIGHT_FORMATS, breakdown, weight_format
+from kvyard.plan.model_spec import DESCRIBE_KEYS, planned_model
+
+GB = 1e9
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    fmt, dev = weight_format(args.weights), device(args.hardware)
+    model = planned_model(args.model, args.describe)
+    mem = breakdown(model.config, fmt, args.context, args.concurrency, args.kv_dtype, args.dtype,
+                    args.max_num_batched_tokens, model.size)
+    fits = [lo for lo in layouts(model.config, mem, dev, args.max_devices, args.memory_utilization) if lo.fits]
+    need = [lo for lo in fits if lo.kv_tokens >= args.context * args.concurrency]
+    report: dict[str, Any] = {
+        "model": model.name, "params": model.size.params, "weights_format": fmt.name, "device": dev.name,
+        "memory": {**asdict(mem), "total": mem.total},
+        "devices_by_memory": devices_by_memory(mem, dev, args.memory_utilization),
+        "layouts": [{**asdict(lo), "devices": lo.devices, "kv_tokens": lo.kv_tokens} for lo in fits[:args.top]],
+        "best": None if not need else {"tp": need[0].tp, "pp": need[0].pp, "flags": _flags(args, need[0].tp,
+                                                                                             need[0].pp)},
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print(report, args)
+    return 0 if need else 1
+
+
+def _flags(args: argparse.Namespace, tp: int, pp: int) -> str:
+    flags = [f"--model {args.model}" if args.model else "--model MODEL"]
+    flags += [f"--tensor-parallel-size {tp}"] if tp > 1 else []
+    flags += [f"--pipeline-parallel-size {pp}"] if pp > 1 else []
+    flags += [f"--kv-cache-dtype {args.kv_dtype}"] if args.kv_dtype != "auto" else []
+    flags += [f"--max-num-seqs {args.concurrency}", f"--max-model-len {args.context}"]
+    return "kvyard serve " + " ".join(flags)
+
+
+def _print(r: dict[str, Any], args: argparse.Namespace) -> None:
+    m = r["memory"]
+    print(f"{r['model']}: {r['params'] / 1e9:.4g} B parameters, weights in {r['weights_format']}, on {r['device']}")
+    print(f"  weights      {m['weights'] / GB:10.2f} GB (of which scales {m['weight_scales'] / GB:.2f} GB)")
+    print(f"  KV per token {m['kv_per_token']:10,d} B")
+    print(f"  KV target    {m['kv_total'] / GB:10.2f} GB ({args.concurrency} x {args.context:,} tokens)")
+    print(f"  activations  {m['activations'] / GB:10.2f} GB a rank ({args.max_num_batched_tokens} batched tokens)")
+    print(f"  fewest devices by memory: {r['devices_by_memory']} (at {args.memory_utilization:.0%} of each)")
+    print("  layouts that hold the weights (tp x pp: devices, KV headroom in tokens):")
+    for lo in r["layouts"]:
+        enough = "" if lo["kv_tokens"] >= args.concurrency * args.context else "  (less than the target)"
+        print(f"    tp {lo['tp']} x pp {lo['pp']}: {lo['devices']:3d} devices, {lo['kv_tokens']:>14,d} tokens, "
+              f"{lo['weights_per_device'] / GB:.2f} GB weights a device{enough}")
+    if r["best"] is None:
+        print(f"  no layout of up to {args.max_devices} devices holds the target KV")
+    else:
+        print(f"  best: tp {r['best']['tp']} x pp {r['best']['pp']}\n  run: {r['best']['flags']}")
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="memory, fewest devices and parallel layouts for a model and a workload")
+    p.add_argument("--model", default=None, help="a known model name, a checkpoint directory, a config.json or a "
+                                                 "GGUF file")
+    p.add_argument("--describe", default=None,
+                   help=f"a model not on disk, as key=value pairs of {', '.join(sorted(DESCRIBE_KEYS))}")
+    p.add_argument("--weights", default="bfloat16", help=f"weight format: {', '.join(WEIGHT_FORMATS)}")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="compute dtype (activations, and the KV cache unless --kv-dtype int8)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"])
+    p.add_argument("--hardware", default="this", help=f"device: {', '.join([*CATALOGUE, 'this'])}")
+    p.add_argument("--context", type=int, default=4096, help="tokens a sequence reaches (prompt and output)")
+    p.add_argument("--concurrency", type=int, default=32, help="sequences running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--memory-utilization", type=float, default=0.9, help="share of each device's memory for kvyard")
+    p.add_argument("--max-devices", type=int, default=8)
+    p.add_argument("--top", type=int, default=8, help="how many fitting layouts to list")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_plan)

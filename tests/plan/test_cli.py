@@ -1,0 +1,50 @@
+"""`kvyard plan` on the seeds' example (2.8T parameters in NVFP4 on GB300s) and on a model on disk."""
+
+import json
+
+import pytest
+
+from kvyard.cli.main import build_parser, main
+from kvyard.errors import ConfigError
+
+SEEDS = "params=2.8e12,layers=61,hidden=7168,heads=128,kv_lora_rank=512,rope_dim=64,vocab=129280"
+
+
+def test_the_seeds_example(capsys):
+    """2.8T NVFP4 parameters: 1.4 TB of values plus 175 GB of FP8 block scales; a latent cache of DeepSeek-V3's
+    shape (61 layers x (512 + 64) bf16 values) is 70,272 B a token; eight GB300s hold it."""
+    argv = ["plan", "--describe", SEEDS, "--weights", "nvfp4", "--hardware", "gb300", "--context", "131072",
+            "--concurrency", "8"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "1575.00 GB (of which scales 175.00 GB)" in text and "70,272 B" in text
+    assert main([*argv, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["memory"]["weights"] == 2.8e12 * 0.5 + 2.8e12 / 16 and r["memory"]["kv_per_token"] == 61 * 576 * 2
+    eight = {(lo["tp"], lo["pp"]): lo for lo in r["layouts"] if lo["devices"] == 8}
+    assert (8, 1) in eight and eight[(8, 1)]["weights_per_device"] == r["memory"]["weights"] / 8
+    # tp 8 replicates the latent cache on every rank; pp 8 splits it by layer: 8 times the tokens
+    assert eight[(1, 8)]["kv_tokens"] == pytest.approx(8 * eight[(8, 1)]["kv_tokens"], rel=1e-6)
+    assert r["devices_by_memory"] == 7 and r["best"]["flags"].startswith("kvyard serve --model MODEL")
+
+
+def test_a_model_on_disk(tiny_checkpoint, capsys):
+    path = tiny_checkpoint("llama")
+    assert main(["plan", "--model", str(path / "config.json"), "--dtype", "float32", "--json", "--max-devices",
+                 "4"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["params"] > 0 and r["layouts"][0]["devices"] == 1 and f"--model {path}" in r["best"]["flags"]
+    assert {lo["tp"] for lo in r["layouts"]} <= {1, 2, 4}  # the tensor sizes the tiny model's heads allow
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--describe", "params=1e9,layers=2"], "needs hidden="),
+    (["--describe", "params=1e9,layers=2,hidden=64,heads=4,colour=3"], "key=value pairs"),
+    (["--describe", "params=1e9,layers=2,hidden=64,heads=4", "--model", "x"], "not both"),
+    (["--model", "smollm2-135m", "--weights", "int3"], "unknown weight format"),
+    (["--model", "smollm2-135m", "--hardware", "tpu9"], "unknown device"),
+])
+def test_bad_plans_are_named(argv, message):
+    args = build_parser().parse_args(["plan", *argv])
+    with pytest.raises(ConfigError, match=message):
+        args.func(args)
