@@ -11,9 +11,10 @@ from dataclasses import asdict
 from typing import Any
 
 from kvyard.plan.hardware import CATALOGUE, device
-from kvyard.plan.layouts import devices_by_memory, layouts
+from kvyard.plan.layouts import Layout, devices_by_memory, layouts
 from kvyard.plan.memory import WEIGHT_FORMATS, breakdown, weight_format
 from kvyard.plan.model_spec import DESCRIBE_KEYS, planned_model
+from kvyard.plan.rates import predict
 
 GB = 1e9
 
@@ -25,11 +26,20 @@ def run_plan(args: argparse.Namespace) -> int:
                     args.max_num_batched_tokens, model.size)
     fits = [lo for lo in layouts(model.config, mem, dev, args.max_devices, args.memory_utilization) if lo.fits]
     need = [lo for lo in fits if lo.kv_tokens >= args.context * args.concurrency]
+    rates = {(lo.tp, lo.pp): {f"batch_{b}": asdict(predict(model.config, model.active_params, mem, dev, lo, b,
+                                                          args.context, args.weights_compute))
+                              for b in (1, args.concurrency)} for lo in fits[:args.top]} if dev.bandwidth else {}
+    if rates:  # the layouts that hold the target KV, fastest at the target concurrency first
+        def speed(lo: Layout) -> float:
+            return rates[(lo.tp, lo.pp)][f"batch_{args.concurrency}"]["decode_tok_s"] if (lo.tp, lo.pp) in rates \
+                else 0.0
+        need.sort(key=lambda lo: (-speed(lo), lo.devices))
     report: dict[str, Any] = {
         "model": model.name, "params": model.size.params, "weights_format": fmt.name, "device": dev.name,
         "memory": {**asdict(mem), "total": mem.total},
         "devices_by_memory": devices_by_memory(mem, dev, args.memory_utilization),
-        "layouts": [{**asdict(lo), "devices": lo.devices, "kv_tokens": lo.kv_tokens} for lo in fits[:args.top]],
+        "layouts": [{**asdict(lo), "devices": lo.devices, "kv_tokens": lo.kv_tokens,
+                     "predicted": rates.get((lo.tp, lo.pp))} for lo in fits[:args.top]],
         "best": None if not need else {"tp": need[0].tp, "pp": need[0].pp, "flags": _flags(args, need[0].tp,
                                                                                              need[0].pp)},
     }
@@ -62,10 +72,16 @@ def _print(r: dict[str, Any], args: argparse.Namespace) -> None:
         enough = "" if lo["kv_tokens"] >= args.concurrency * args.context else "  (less than the target)"
         print(f"    tp {lo['tp']} x pp {lo['pp']}: {lo['devices']:3d} devices, {lo['kv_tokens']:>14,d} tokens, "
               f"{lo['weights_per_device'] / GB:.2f} GB weights a device{enough}")
+        if lo["predicted"]:
+            one, many = lo["predicted"]["batch_1"], lo["predicted"][f"batch_{args.concurrency}"]
+            print(f"      predicted: decode {one['decode_tok_s']:,.0f} tok/s at batch 1 (ITL "
+                  f"{one['decode_step_s'] * 1e3:.2f} ms), {many['decode_tok_s']:,.0f} at {args.concurrency} "
+                  f"({many['bound']}-bound), prefill {one['prefill_tok_s']:,.0f} tok/s")
     if r["best"] is None:
         print(f"  no layout of up to {args.max_devices} devices holds the target KV")
     else:
-        print(f"  best: tp {r['best']['tp']} x pp {r['best']['pp']}\n  run: {r['best']['flags']}")
+        print(f"  best: tp {r['best']['tp']} x pp {r['best']['pp']} (holds the target KV; the fastest predicted where "
+              f"rates are known, else the fewest devices)\n  run: {r['best']['flags']}")
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -78,6 +94,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="compute dtype (activations, and the KV cache unless --kv-dtype int8)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"])
+    p.add_argument("--weights-compute", default="bfloat16",
+                   help="the FLOPs the predictions assume the weights compute at (bfloat16, fp8, nvfp4)")
     p.add_argument("--hardware", default="this", help=f"device: {', '.join([*CATALOGUE, 'this'])}")
     p.add_argument("--context", type=int, default=4096, help="tokens a sequence reaches (prompt and output)")
     p.add_argument("--concurrency", type=int, default=32, help="sequences running at once")

@@ -8,10 +8,11 @@ from typing import Any
 from kvyard.errors import ConfigError
 from kvyard.models.config import ModelConfig
 from kvyard.plan.memory import ModelSize, model_size
+from kvyard.quant.plan import expert_units
 
 # --describe keys: the parameter count and the attention shape (GQA: kv_heads and head_dim; a latent cache
 # as DeepSeek's: kv_lora_rank and rope_dim)
-DESCRIBE_KEYS = {"params", "layers", "hidden", "heads", "kv_heads", "head_dim", "kv_lora_rank", "rope_dim",
+DESCRIBE_KEYS = {"params", "active_params", "layers", "hidden", "heads", "kv_heads", "head_dim", "kv_lora_rank", "rope_dim",
                  "vocab", "experts", "experts_per_token", "context"}
 
 
@@ -20,6 +21,14 @@ class PlannedModel:
     name: str
     config: ModelConfig
     size: ModelSize
+    active_params: int  # what each token computes with: a Mixture of Experts' chosen experts only
+
+
+def active_params(cfg: ModelConfig, size: ModelSize) -> int:
+    if not cfg.num_experts:
+        return size.params
+    experts = sum(u.params for u in expert_units(cfg))
+    return size.params - experts + experts * cfg.num_experts_per_tok // cfg.num_experts
 
 
 def from_source(source: str) -> PlannedModel:
@@ -37,7 +46,8 @@ def from_source(source: str) -> PlannedModel:
         except (OSError, ValueError) as e:
             raise ConfigError(f"{config_file}: cannot read a model config ({e})", param="model") from e
     cfg = ModelConfig.from_hf(hf, source=str(path))
-    return PlannedModel(source, cfg, model_size(cfg))
+    size = model_size(cfg)
+    return PlannedModel(source, cfg, size, active_params(cfg, size))
 
 
 def parse_description(text: str) -> dict[str, float]:
@@ -72,7 +82,8 @@ def described(text: str) -> PlannedModel:
         tie_word_embeddings=False, attention_bias=False, qk_norm=False, kv_lora_rank=latent,
         num_experts=int(v.get("experts", 0)), num_experts_per_tok=int(v.get("experts_per_token", 0)))
     cfg = ModelConfig(**fields)
-    return PlannedModel(f"described ({text})", cfg, ModelSize(int(v["params"]), 0))
+    params = int(v["params"])
+    return PlannedModel(f"described ({text})", cfg, ModelSize(params, 0), int(v.get("active_params", params)))
 
 
 def planned_model(source: str | None, description: str | None) -> PlannedModel:

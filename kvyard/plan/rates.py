@@ -1,0 +1,69 @@
+"""Predicted decode and prefill rates of a layout: rooflines, communication and queueing (#38).
+
+A decode step of `batch` sequences at `context` tokens reads every weight once and each sequence's KV, and
+does 2 FLOPs per parameter per sequence (plus attention's 4 per cached token and head dimension): its time
+on a device is the larger of bytes / bandwidth and FLOPs / peak, the two rooflines. Tensor parallelism
+divides both across ranks and adds two all-reduces of the hidden state a layer, priced at the link's
+bandwidth (a ring moves 2 (tp - 1) / tp of the data) plus a fixed latency each. Pipeline stages hold a
+layer share each and the sequences pass through them as pp micro-batches, so in a memory-bound step every
+micro-batch reads its stage's weights again: stages add room, and spread only the KV reads. A fixed
+cost per step (`step_overhead_s`: scheduling, the sampler, launches) is added as calibrated; 0 for the
+catalogue's devices until they are measured.
+
+Near saturation requests wait: an M/M/1 queue in front of a server that decodes at the predicted rate waits
+ρ / (1 - ρ) service times, where ρ is the offered load over capacity.
+"""
+
+from dataclasses import dataclass
+
+from kvyard.models.config import ModelConfig
+from kvyard.plan.hardware import Device
+from kvyard.plan.layouts import Layout
+from kvyard.plan.memory import MemoryBreakdown
+
+LINK_LATENCY_S = 5e-6  # one all-reduce's fixed cost on NVLink-class links
+
+
+@dataclass
+class Rates:
+    decode_step_s: float
+    decode_tok_s: float  # all sequences together
+    prefill_tok_s: float
+    bound: str  # what limits decode: "memory", "compute" or "communication"
+
+
+def _flops(dev: Device, compute: str) -> float:
+    return dev.flops.get(compute) or dev.flops.get("bfloat16") or 0.0
+
+
+def predict(cfg: ModelConfig, params: int, memory: MemoryBreakdown, dev: Device, lo: Layout, batch: int,
+            context: int, compute: str = "bfloat16", step_overhead_s: float = 0.0,
+            activation_bytes: int = 2) -> Rates:
+    """Rates of `lo` on `dev` for `batch` sequences at `context` tokens; `params` counts the parameters each
+    token computes with (a Mixture of Experts' active ones)."""
+    peak = _flops(dev, compute)
+    ranks = lo.tp * lo.pp
+    # The sequences go through the stages as pp micro-batches; each stage step reads the stage's weights once.
+    micro = max(batch / lo.pp, 1.0)
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context  # q.k and p.v, a token
+    stage_bytes = memory.weights / ranks + micro * context * lo.kv_per_token_per_device
+    stage_flops = micro * (2 * params + attention) / ranks
+    memory_s = stage_bytes / dev.bandwidth if dev.bandwidth else 0.0
+    compute_s = stage_flops / peak if peak else 0.0
+    comm_s = 0.0
+    if lo.tp > 1 and dev.link:  # two all-reduces of the hidden state a layer (attention's and the MLP's)
+        moved = 2 * (lo.tp - 1) / lo.tp * micro * cfg.hidden_size * activation_bytes
+        comm_s = 2 * (moved / dev.link + LINK_LATENCY_S) * cfg.num_layers / lo.pp
+    # A sequence's next token waits for every stage: pp stage steps, and the fixed cost of a step.
+    step = lo.pp * (max(memory_s, compute_s) + comm_s) + step_overhead_s
+    bound = ("communication" if comm_s > max(memory_s, compute_s) else
+             "memory" if memory_s >= compute_s else "compute")
+    prefill = peak * ranks / (2 * params + attention / 2) if peak else 0.0  # compute-bound; half the context
+    return Rates(step, batch / step if step else 0.0, prefill, bound)
+
+
+def queueing_wait_s(service_s: float, offered: float, capacity: float) -> float:
+    """Mean wait before service in an M/M/1 queue at `offered` requests/s against `capacity` requests/s
+    (infinite at or past saturation)."""
+    rho = offered / capacity
+    return float("inf") if rho >= 1 else service_s * rho / (1 - rho)

@@ -1,0 +1,49 @@
+"""The rate model's shape: rooflines, tensor-parallel communication, pipeline stages, queueing."""
+
+import math
+
+import pytest
+
+from kvyard.plan.hardware import device
+from kvyard.plan.layouts import layout
+from kvyard.plan.memory import WEIGHT_FORMATS, breakdown
+from kvyard.plan.model_spec import described
+from kvyard.plan.rates import predict, queueing_wait_s
+
+MODEL = described("params=8e9,layers=32,hidden=4096,heads=32,kv_heads=8,head_dim=128,vocab=128256")
+H100 = device("h100")
+
+
+def _rates(tp: int, pp: int, batch: int, context: int = 1024):
+    mem = breakdown(MODEL.config, WEIGHT_FORMATS["bfloat16"], context, batch, size=MODEL.size)
+    lo = layout(MODEL.config, mem, H100, tp, pp, 0.9)
+    return mem, predict(MODEL.config, MODEL.active_params, mem, H100, lo, batch, context)
+
+
+def test_batch_one_is_memory_bound_and_reads_the_weights_once_a_token():
+    mem, r = _rates(1, 1, 1)
+    assert r.bound == "memory"
+    assert r.decode_step_s == pytest.approx((mem.weights + 1024 * mem.kv_per_token) / H100.bandwidth)
+
+
+def test_a_large_batch_becomes_compute_bound():
+    assert _rates(1, 1, 4096, context=16)[1].bound == "compute"
+
+
+def test_tensor_parallelism_splits_the_reads_and_pays_for_its_all_reduces():
+    one, two = _rates(1, 1, 1)[1], _rates(2, 1, 1)[1]
+    assert one.decode_step_s / 2 < two.decode_step_s < one.decode_step_s  # faster, but not twice: the all-reduces
+
+
+def test_pipeline_stages_add_room_not_weight_reading_speed():
+    """Every micro-batch reads its stage's weights again; only the KV reads spread over the stages."""
+    one, two = _rates(1, 1, 8, context=16)[1], _rates(1, 2, 8, context=16)[1]
+    assert two.decode_tok_s == pytest.approx(one.decode_tok_s, rel=0.01)
+    long_one, long_two = _rates(1, 1, 8, context=8192)[1], _rates(1, 2, 8, context=8192)[1]
+    assert long_two.decode_tok_s > long_one.decode_tok_s
+
+
+def test_queueing_grows_without_bound_near_saturation():
+    assert queueing_wait_s(0.1, 0.0, 10.0) == 0.0
+    assert queueing_wait_s(0.1, 5.0, 10.0) == pytest.approx(0.1)
+    assert queueing_wait_s(0.1, 9.9, 10.0) > 9 and math.isinf(queueing_wait_s(0.1, 10.0, 10.0))
