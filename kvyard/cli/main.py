@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvyard.bench.kv_transfer import add_kv_transfer_bench_parser
     from kvyard.bench.offline import add_offline_bench_parser
     from kvyard.bench.offload import add_offload_bench_parser
+    from kvyard.bench.plan import add_plan_bench_parser
     from kvyard.bench.prefix import add_prefix_bench_parser
     from kvyard.bench.quant import add_quant_bench_parser
     from kvyard.bench.ray_route import add_ray_bench_parser
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_transfer_bench_parser(bench)
     add_offload_bench_parser(bench)
     add_step_profile_parser(bench)
+    add_plan_bench_parser(bench)
     return parser
 
 

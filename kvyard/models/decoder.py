@@ -188,7 +188,8 @@ class DecoderModel:
 
     def weight_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor the weights are held in, whatever their form (dense, packed, low-bit)."""
-        yield from tensors_in([self.embed, self.final_norm, self.lm_head])
+        packed_head = self._packed_head[1] if self._packed_head is not None else None  # packed at first use
+        yield from tensors_in([self.embed, self.final_norm, self.lm_head, packed_head])
         for layer in self.layers:
             yield from tensors_in([getattr(layer, f.name) for f in fields(layer)])
 

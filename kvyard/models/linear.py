@@ -84,6 +84,16 @@ def packable(w: torch.Tensor) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def packed_copies(max_rows: int | None, dtype: torch.dtype = torch.bfloat16) -> int:
+    """The rearranged copies pack_weight keeps of a dense weight of `dtype` on this CPU, for shapes VNNI blocks
+    fit (0: the weight stays as it is). kvyard plan sizes the weights with it, so that the two never differ."""
+    if dtype != torch.bfloat16 or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return 0
+    if cpu_kernels.amx_available():
+        return 1 if max_rows is not None and max_rows <= AMX_MAX_ROWS else 2
+    return 1
+
+
 def pack_weight(w: Weight, max_rows: int | None = None, gate_up: bool = False) -> Weight:
     """A dense bf16 CPU weight rearranged once for its kernel (same values; results equal within rounding).
 
@@ -98,7 +108,7 @@ def pack_weight(w: Weight, max_rows: int | None = None, gate_up: bool = False) -
     if not isinstance(w, torch.Tensor) or not packable(w):
         return w
     if VnniWeight.fits(w) and cpu_kernels.amx_available():
-        if max_rows is not None and max_rows <= AMX_MAX_ROWS:
+        if packed_copies(max_rows) == 1:
             return VnniWeight.tile(w)
         if gate_up:
             gate, up = w.chunk(2)

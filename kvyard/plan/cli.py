@@ -10,9 +10,10 @@ import json
 from dataclasses import asdict
 from typing import Any
 
+from kvyard.models.linear import packed_copies
 from kvyard.plan.hardware import CATALOGUE, device
 from kvyard.plan.layouts import Layout, devices_by_memory, layouts
-from kvyard.plan.memory import WEIGHT_FORMATS, breakdown, weight_format
+from kvyard.plan.memory import DTYPES, WEIGHT_FORMATS, breakdown, weight_format
 from kvyard.plan.model_spec import DESCRIBE_KEYS, planned_model
 from kvyard.plan.rates import predict
 
@@ -22,8 +23,10 @@ GB = 1e9
 def run_plan(args: argparse.Namespace) -> int:
     fmt, dev = weight_format(args.weights), device(args.hardware)
     model = planned_model(args.model, args.describe)
+    # On this machine the engine's own packing decides how many copies of the dense weights it holds.
+    copies = packed_copies(args.max_num_batched_tokens, DTYPES[args.dtype]) if dev.name == "this" else 0
     mem = breakdown(model.config, fmt, args.context, args.concurrency, args.kv_dtype, args.dtype,
-                    args.max_num_batched_tokens, model.size)
+                    args.max_num_batched_tokens, model.size, copies)
     fits = [lo for lo in layouts(model.config, mem, dev, args.max_devices, args.memory_utilization) if lo.fits]
     need = [lo for lo in fits if lo.kv_tokens >= args.context * args.concurrency]
     rates = {(lo.tp, lo.pp): {f"batch_{b}": asdict(predict(model.config, model.active_params, mem, dev, lo, b,

@@ -96,7 +96,8 @@ def kv_bytes(cfg: ModelConfig, tokens: int, kv_dtype: str, compute_dtype: torch.
 
 @dataclass
 class MemoryBreakdown:
-    weights: float  # bytes, with the scales
+    weights: float  # bytes resident, with the scales and any second copy the kernels keep
+    weights_read: float  # bytes a decode step streams: each weight once, in the form its kernel reads
     weight_scales: float
     kv_per_token: int
     kv_total: float  # at the target context and concurrency
@@ -109,17 +110,23 @@ class MemoryBreakdown:
 
 def breakdown(cfg: ModelConfig, weights: WeightFormat, context: int, concurrency: int, kv_dtype: str = "auto",
               compute_dtype: str = "bfloat16", batched_tokens: int = 2048,
-              size: ModelSize | None = None) -> MemoryBreakdown:
-    """`size`: the model's parameters when known otherwise than from `cfg` (a described model)."""
+              size: ModelSize | None = None, packed_copies: int = 0) -> MemoryBreakdown:
+    """`size`: the model's parameters when known otherwise than from `cfg` (a described model).
+    `packed_copies`: the rearranged copies the engine keeps of each dense weight on the target CPU
+    (kvyard.models.linear.packed_copies): they replace a layer's matrices, and sit beside the head's, which
+    the embedding (or the unpacked head) still needs."""
     dtype = DTYPES[compute_dtype]
     size = size or model_size(cfg)
     dense = WEIGHT_FORMATS[compute_dtype]
-    weight_bytes = weights.bytes(size.linear_params) + dense.bytes(size.other_params)
+    weight_bytes = step_bytes = weights.bytes(size.linear_params) + dense.bytes(size.other_params)
+    if packed_copies and weights.name == compute_dtype:
+        head = dense.bytes(cfg.vocab_size * cfg.hidden_size)
+        weight_bytes += (packed_copies - 1) * (weights.bytes(size.linear_params) - head) + packed_copies * head
     # A step's activations: a few hidden-sized rows and the MLP's widest intermediate per batched token, and
     # float32 logits for the rows that sample (at most one per sequence).
     inter = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(cfg.num_experts_per_tok, 1))
     activations = batched_tokens * (4 * cfg.hidden_size + 2 * inter) * dtype.itemsize
     activations += concurrency * cfg.vocab_size * 4
-    return MemoryBreakdown(weight_bytes, weights.scale_bytes_of(size.linear_params),
+    return MemoryBreakdown(weight_bytes, step_bytes, weights.scale_bytes_of(size.linear_params),
                            kv_bytes_per_token(cfg, kv_dtype, dtype),
                            concurrency * kv_bytes(cfg, context, kv_dtype, dtype), activations)

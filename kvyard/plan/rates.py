@@ -46,7 +46,7 @@ def predict(cfg: ModelConfig, params: int, memory: MemoryBreakdown, dev: Device,
     # The sequences go through the stages as pp micro-batches; each stage step reads the stage's weights once.
     micro = max(batch / lo.pp, 1.0)
     attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context  # q.k and p.v, a token
-    stage_bytes = memory.weights / ranks + micro * context * lo.kv_per_token_per_device
+    stage_bytes = memory.weights_read / ranks + micro * context * lo.kv_per_token_per_device
     stage_flops = micro * (2 * params + attention) / ranks
     memory_s = stage_bytes / dev.bandwidth if dev.bandwidth else 0.0
     compute_s = stage_flops / peak if peak else 0.0
@@ -58,7 +58,9 @@ def predict(cfg: ModelConfig, params: int, memory: MemoryBreakdown, dev: Device,
     step = lo.pp * (max(memory_s, compute_s) + comm_s) + step_overhead_s
     bound = ("communication" if comm_s > max(memory_s, compute_s) else
              "memory" if memory_s >= compute_s else "compute")
-    prefill = peak * ranks / (2 * params + attention / 2) if peak else 0.0  # compute-bound; half the context
+    # Prefill is compute-bound; the head runs for the last prompt token only, and attention over half the context.
+    per_token = 2 * (params - cfg.vocab_size * cfg.hidden_size) + attention / 2
+    prefill = peak * ranks / per_token if peak else 0.0
     return Rates(step, batch / step if step else 0.0, prefill, bound)
 
 

@@ -3,18 +3,11 @@
 import pytest
 import torch
 
+from kvyard.bench.plan import held_weight_bytes
 from kvyard.config import EngineConfig
 from kvyard.errors import ConfigError
 from kvyard.llm import LLM
 from kvyard.plan.memory import WEIGHT_FORMATS, breakdown, kv_bytes, weight_format
-
-
-def weight_bytes(llm: LLM) -> int:
-    """Every weight tensor's bytes, each once (a tied head is the embedding); not the experts' index."""
-    seen = {t.data_ptr(): t.numel() * t.element_size() for t in llm.engine.runner.model.weight_tensors()
-            if t.is_floating_point()}
-    return sum(seen.values())
-
 
 LAYOUTS = {"llama": {}, "llama-tied": {"tie_word_embeddings": True}, "qwen2": {}, "qwen3": {}, "gemma3_text": {},
            "qwen2_moe": {}}
@@ -27,7 +20,7 @@ def test_weights_and_kv_are_what_the_engine_allocates(tiny_checkpoint, name):
                                   kv_cache_memory="1MiB", num_threads=1))
     cfg = llm.engine.model_config
     planned = breakdown(cfg, WEIGHT_FORMATS["float32"], context=64, concurrency=1, compute_dtype="float32")
-    assert planned.weights == weight_bytes(llm)
+    assert planned.weights == held_weight_bytes(llm)
     # The weights share a huge-page-aligned arena (kvyard/models/huge_pages.py): a few MiB at most on top.
     caches = llm.engine.runner.kv_caches
     held = sum(c.nbytes for c in caches)

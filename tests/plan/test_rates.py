@@ -23,7 +23,7 @@ def _rates(tp: int, pp: int, batch: int, context: int = 1024):
 def test_batch_one_is_memory_bound_and_reads_the_weights_once_a_token():
     mem, r = _rates(1, 1, 1)
     assert r.bound == "memory"
-    assert r.decode_step_s == pytest.approx((mem.weights + 1024 * mem.kv_per_token) / H100.bandwidth)
+    assert r.decode_step_s == pytest.approx((mem.weights_read + 1024 * mem.kv_per_token) / H100.bandwidth)
 
 
 def test_a_large_batch_becomes_compute_bound():

@@ -1,0 +1,110 @@
+"""`kvyard bench plan`: the planner's predictions against measurements on this machine, kept as a standing
+record (#38).
+
+For each model: the weight bytes the planner predicts against what the loaded engine holds; decode tok/s at
+batch 1 and 32 and prefill tok/s predicted on this machine's measured bandwidth and bf16 FLOPs
+(kvyard.plan.measure) against kvyard's own engine. Each run appends its rows to the record (JSON lines); any
+figure off by more than --tolerance is printed as DRIFT and the command exits 1.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kvyard.bench.output import machine_info
+from kvyard.bench.quant import decode_rate
+from kvyard.config import EngineConfig
+from kvyard.llm import LLM
+from kvyard.models.linear import packed_copies
+from kvyard.plan.layouts import layout
+from kvyard.plan.measure import measured_this_machine
+from kvyard.plan.memory import WEIGHT_FORMATS, breakdown
+from kvyard.plan.model_spec import from_source
+from kvyard.plan.rates import predict
+from kvyard.sampling_params import SamplingParams
+
+
+def held_weight_bytes(llm: LLM) -> int:
+    """Every floating-point weight tensor the engine holds, each once (a tied head is the embedding); not the
+    experts' index."""
+    seen: dict[int, int] = {}
+    for t in llm.engine.runner.model.weight_tensors():
+        if t.is_floating_point():
+            try:
+                key = t.data_ptr()
+            except RuntimeError:  # a weight packed into oneDNN's opaque layout (AMX) has no plain storage
+                key = id(t)
+            seen[key] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def prefill_rate(llm: LLM, prompts: int, length: int, repeats: int = 3) -> float:
+    """Prompt tokens a second: `prompts` prompts of `length` tokens, one output token each, the best run."""
+    vocab = llm.engine.model_config.vocab_size
+    best = float("inf")
+    for r in range(repeats):
+        ids = [[(97 + 31 * (i + r) + 7 * j) % (vocab - 1) + 1 for j in range(length)] for i in range(prompts)]
+        start = time.perf_counter()
+        llm.generate(ids, SamplingParams(max_tokens=1, temperature=0.0))
+        best = min(best, time.perf_counter() - start)
+    return prompts * length / best
+
+
+def run_plan_bench(args: argparse.Namespace) -> int:
+    dev = measured_this_machine()
+    print(f"this machine: {dev.bandwidth / 1e9:.1f} GB/s, {dev.flops['bfloat16'] / 1e12:.2f} bf16 TFLOPS (measured)")
+    rows: list[dict[str, Any]] = []
+    for name in args.models.split(","):
+        model = from_source(name)
+        llm = LLM(config=EngineConfig(model=name, dtype="bfloat16"))
+        copies = packed_copies(llm.engine.runner.model.max_rows)
+        figures: dict[str, tuple[float, float]] = {}
+        for batch in (1, args.batch):
+            mem = breakdown(model.config, WEIGHT_FORMATS["bfloat16"], args.input_len, batch, size=model.size,
+                            packed_copies=copies)
+            lo = layout(model.config, mem, dev, 1, 1, 0.9)
+            rates = predict(model.config, model.active_params, mem, dev, lo, batch, args.input_len)
+            figures["weight_bytes"] = (mem.weights, 0.0)
+            figures[f"decode_tok_s_batch_{batch}"] = (rates.decode_tok_s, statistics.median(
+                decode_rate(llm, batch, args.input_len, args.steps) for _ in range(3)))
+            figures["prefill_tok_s"] = (rates.prefill_tok_s, 0.0)
+        figures["prefill_tok_s"] = (figures["prefill_tok_s"][0], prefill_rate(llm, 4, args.prefill_len))
+        # after the runs: the head is packed at its first use
+        figures["weight_bytes"] = (figures["weight_bytes"][0], float(held_weight_bytes(llm)))
+        del llm
+        for figure, (predicted, measured) in figures.items():
+            error = predicted / measured - 1
+            rows.append({"model": name, "figure": figure, "predicted": predicted, "measured": measured,
+                         "error": error, "drift": abs(error) > args.tolerance})
+    stamp = {"time": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine_info(),
+             "bandwidth": dev.bandwidth, "bf16_flops": dev.flops["bfloat16"], "tolerance": args.tolerance}
+    record = Path(args.record)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    with record.open("a") as f:
+        for row in rows:
+            f.write(json.dumps({**stamp, **row}) + "\n")
+    print(f"{'model':<22} {'figure':<22} {'predicted':>14} {'measured':>14} {'error':>8}")
+    for r in rows:
+        print(f"{r['model']:<22} {r['figure']:<22} {r['predicted']:>14,.1f} {r['measured']:>14,.1f} "
+              f"{r['error']:>+8.1%}{'  DRIFT' if r['drift'] else ''}")
+    drifted = [r for r in rows if r["drift"]]
+    if drifted:
+        print(f"DRIFT: {len(drifted)} of {len(rows)} predictions are off by more than {args.tolerance:.0%} "
+              f"(appended to {record})")
+    return 1 if drifted else 0
+
+
+def add_plan_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="the planner's predictions against this machine's measurements (#38)")
+    p.add_argument("--models", default="smollm2-135m", help="comma-separated model names or paths")
+    p.add_argument("--input-len", type=int, default=128, help="the context the decode steps run at")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=16, help="decode steps timed a measurement")
+    p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--tolerance", type=float, default=0.15)
+    p.add_argument("--record", default="bench-results/plan/record.jsonl")
+    p.set_defaults(func=run_plan_bench)
