@@ -47,7 +47,9 @@ def prefill_rate(llm: LLM, prompts: int, length: int, repeats: int = 3) -> float
     vocab = llm.engine.model_config.vocab_size
     best = float("inf")
     for r in range(repeats):
-        ids = [[(97 + 31 * (i + r) + 7 * j) % (vocab - 1) + 1 for j in range(length)] for i in range(prompts)]
+        # every prompt of every run its own, so that no run finds another's blocks in the prefix cache
+        ids = [[(97 + 31 * (r * prompts + i) + 7 * j * (r * prompts + i + 1)) % (vocab - 1) + 1 for j in range(length)]
+               for i in range(prompts)]
         start = time.perf_counter()
         llm.generate(ids, SamplingParams(max_tokens=1, temperature=0.0))
         best = min(best, time.perf_counter() - start)

@@ -20,6 +20,9 @@ class Device:
     flops: dict[str, float] = field(default_factory=dict)  # dense, by compute format
     link: float = 0.0  # bytes/s one way to a peer (NVLink), 0: none
     note: str = ""
+    # Measured only (kvyard.plan.measure): rows -> bytes of weights a second the engine's matmuls stream at
+    # that many rows, computing as they go; empty: the rooflines stand in
+    stream: dict[int, float] = field(default_factory=dict)
 
 
 CATALOGUE = {d.name: d for d in (

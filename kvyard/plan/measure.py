@@ -1,7 +1,10 @@
 """This machine's rates, measured rather than assumed, for `kvyard plan --hardware this` (#38).
 
 - memory bandwidth: the best of a few reductions over a buffer far larger than the caches;
-- bf16 FLOPs: the best of a few matmuls the size of a batched prefill (2,048 rows), on the torch threads;
+- bf16 FLOPs: the best of a few matmuls the size of a batched prefill (2,048 rows), the weight packed as the
+  engine packs it and run by the engine's own linear kernel;
+- the weight streaming rate at 1 to 128 rows: bytes of weights a second the engine's linear gets through,
+  over weights far larger than the caches, which is what a decode step's matmuls do;
 - the fixed cost of a decode step is what the calibration fits from measured engines (kvyard bench plan).
 Each figure is the best of its repeats: a VM's stalls slow single runs, never speed them up.
 """
@@ -11,10 +14,13 @@ from dataclasses import replace
 
 import torch
 
+from kvyard.models.linear import linear, pack_weight
 from kvyard.plan.hardware import Device, this_machine
 
 BUFFER_BYTES = 512 * 2**20
 REPEATS = 5
+STREAM_ROWS = (1, 8, 32, 128)  # the decode batch sizes the weight streaming rate is measured at
+STEP_ROWS = 512  # the rows a serving step carries at most: the weights packed as a server packs them
 
 
 def _best_seconds(fn, repeats: int = REPEATS) -> float:  # type: ignore[no-untyped-def]
@@ -33,12 +39,27 @@ def memory_bandwidth(buffer_bytes: int = BUFFER_BYTES) -> float:
     return buffer_bytes / _best_seconds(lambda: x.sum())
 
 
-def matmul_flops(m: int = 2048, k: int = 2048, n: int = 2048, dtype: torch.dtype = torch.bfloat16) -> float:
-    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-    return 2 * m * k * n / _best_seconds(lambda: a @ b)
+def matmul_flops(m: int = 2048, k: int = 2048, n: int = 2048) -> float:
+    """bf16 FLOPs/s of the engine's own linear kernel, its weight packed as the engine packs it for m rows."""
+    w = pack_weight(torch.randn(n, k).to(torch.bfloat16), max_rows=m)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    return 2 * m * k * n / _best_seconds(lambda: linear(x, w))
 
 
-def measured_this_machine() -> Device:
+def weight_stream_rate(rows: int, total_bytes: int = BUFFER_BYTES // 2, side: int = 2048) -> float:
+    """Bytes of bf16 weights a second the engine's linear kernel gets through at `rows` rows, over weights far
+    larger than the caches, as a decode step's matmuls stream them (reading and computing together)."""
+    count = max(1, total_bytes // (side * side * 2))
+    weights = [pack_weight(torch.randn(side, side).to(torch.bfloat16), max_rows=STEP_ROWS) for _ in range(count)]
+    x = torch.randn(rows, side).to(torch.bfloat16)
+
+    def run() -> None:
+        for w in weights:
+            linear(x, w)
+    return count * side * side * 2 / _best_seconds(run, repeats=3)
+
+
+def measured_this_machine(rows: tuple[int, ...] = STREAM_ROWS) -> Device:
     dev = this_machine()
     return replace(dev, bandwidth=memory_bandwidth(), flops={"bfloat16": matmul_flops()},
-                   note=dev.note + ", measured")
+                   stream={r: weight_stream_rate(r) for r in rows}, note=dev.note + ", measured")

@@ -8,7 +8,9 @@ bandwidth (a ring moves 2 (tp - 1) / tp of the data) plus a fixed latency each. 
 layer share each and the sequences pass through them as pp micro-batches, so in a memory-bound step every
 micro-batch reads its stage's weights again: stages add room, and spread only the KV reads. A fixed
 cost per step (`step_overhead_s`: scheduling, the sampler, launches) is added as calibrated; 0 for the
-catalogue's devices until they are measured.
+catalogue's devices until they are measured. On a measured CPU (`Device.stream`) the matmuls' time comes
+from the rate the engine's own kernels streamed weights at that many rows, which folds in how well they
+overlap reading and computing; the KV reads and attention are added to it.
 
 Near saturation requests wait: an M/M/1 queue in front of a server that decodes at the predicted rate waits
 ρ / (1 - ρ) service times, where ρ is the offered load over capacity.
@@ -50,6 +52,11 @@ def predict(cfg: ModelConfig, params: int, memory: MemoryBreakdown, dev: Device,
     stage_flops = micro * (2 * params + attention) / ranks
     memory_s = stage_bytes / dev.bandwidth if dev.bandwidth else 0.0
     compute_s = stage_flops / peak if peak else 0.0
+    if dev.stream:  # measured: the matmuls' streaming rate at this many rows, then the KV and attention after
+        kv_bytes = stage_bytes - memory.weights_read / ranks
+        memory_s = memory.weights_read / ranks / stream_rate(dev.stream, micro) + kv_bytes / dev.bandwidth
+        compute_s = micro * attention / ranks / peak if peak else 0.0
+        memory_s, compute_s = memory_s + compute_s, 0.0
     comm_s = 0.0
     if lo.tp > 1 and dev.link:  # two all-reduces of the hidden state a layer (attention's and the MLP's)
         moved = 2 * (lo.tp - 1) / lo.tp * micro * cfg.hidden_size * activation_bytes
@@ -62,6 +69,17 @@ def predict(cfg: ModelConfig, params: int, memory: MemoryBreakdown, dev: Device,
     per_token = 2 * (params - cfg.vocab_size * cfg.hidden_size) + attention / 2
     prefill = peak * ranks / per_token if peak else 0.0
     return Rates(step, batch / step if step else 0.0, prefill, bound)
+
+
+def stream_rate(measured: dict[int, float], rows: float) -> float:
+    """The weight streaming rate at `rows`, linear between the measured row counts (flat past their ends)."""
+    points = sorted(measured.items())
+    if rows <= points[0][0]:
+        return points[0][1]
+    for (r0, v0), (r1, v1) in zip(points, points[1:], strict=False):
+        if rows <= r1:
+            return v0 + (v1 - v0) * (rows - r0) / (r1 - r0)
+    return points[-1][1]
 
 
 def queueing_wait_s(service_s: float, offered: float, capacity: float) -> float:
