@@ -20,6 +20,7 @@ from kvyard.bench.quant import decode_rate
 from kvyard.config import EngineConfig
 from kvyard.llm import LLM
 from kvyard.models.linear import packed_copies
+from kvyard.plan.hardware import Device
 from kvyard.plan.layouts import layout
 from kvyard.plan.measure import measured_this_machine
 from kvyard.plan.memory import WEIGHT_FORMATS, breakdown
@@ -56,31 +57,40 @@ def prefill_rate(llm: LLM, prompts: int, length: int, repeats: int = 3) -> float
     return prompts * length / best
 
 
+def predicted(name: str, dev: Device, copies: int, args: argparse.Namespace) -> dict[str, float]:
+    model = from_source(name)
+    out: dict[str, float] = {}
+    for batch in (1, args.batch):
+        mem = breakdown(model.config, WEIGHT_FORMATS["bfloat16"], args.input_len, batch, size=model.size,
+                        packed_copies=copies)
+        lo = layout(model.config, mem, dev, 1, 1, 0.9)
+        rates = predict(model.config, model.active_params, mem, dev, lo, batch, args.input_len)
+        out[f"decode_tok_s_batch_{batch}"] = rates.decode_tok_s
+    out["prefill_tok_s"] = rates.prefill_tok_s
+    out["weight_bytes"] = mem.weights
+    return out
+
+
+def measured(llm: LLM, args: argparse.Namespace) -> dict[str, float]:
+    out = {f"decode_tok_s_batch_{batch}": statistics.median(decode_rate(llm, batch, args.input_len, args.steps)
+                                                           for _ in range(3)) for batch in (1, args.batch)}
+    out["prefill_tok_s"] = prefill_rate(llm, 4, args.prefill_len)
+    out["weight_bytes"] = float(held_weight_bytes(llm))  # after the runs: the head is packed at its first use
+    return out
+
+
 def run_plan_bench(args: argparse.Namespace) -> int:
     dev = measured_this_machine()
     print(f"this machine: {dev.bandwidth / 1e9:.1f} GB/s, {dev.flops['bfloat16'] / 1e12:.2f} bf16 TFLOPS (measured)")
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
-        model = from_source(name)
         llm = LLM(config=EngineConfig(model=name, dtype="bfloat16"))
-        copies = packed_copies(llm.engine.runner.model.max_rows)
-        figures: dict[str, tuple[float, float]] = {}
-        for batch in (1, args.batch):
-            mem = breakdown(model.config, WEIGHT_FORMATS["bfloat16"], args.input_len, batch, size=model.size,
-                            packed_copies=copies)
-            lo = layout(model.config, mem, dev, 1, 1, 0.9)
-            rates = predict(model.config, model.active_params, mem, dev, lo, batch, args.input_len)
-            figures["weight_bytes"] = (mem.weights, 0.0)
-            figures[f"decode_tok_s_batch_{batch}"] = (rates.decode_tok_s, statistics.median(
-                decode_rate(llm, batch, args.input_len, args.steps) for _ in range(3)))
-            figures["prefill_tok_s"] = (rates.prefill_tok_s, 0.0)
-        figures["prefill_tok_s"] = (figures["prefill_tok_s"][0], prefill_rate(llm, 4, args.prefill_len))
-        # after the runs: the head is packed at its first use
-        figures["weight_bytes"] = (figures["weight_bytes"][0], float(held_weight_bytes(llm)))
+        expected = predicted(name, dev, packed_copies(llm.engine.runner.model.max_rows), args)
+        seen = measured(llm, args)
         del llm
-        for figure, (predicted, measured) in figures.items():
-            error = predicted / measured - 1
-            rows.append({"model": name, "figure": figure, "predicted": predicted, "measured": measured,
+        for figure, value in expected.items():
+            error = value / seen[figure] - 1
+            rows.append({"model": name, "figure": figure, "predicted": value, "measured": seen[figure],
                          "error": error, "drift": abs(error) > args.tolerance})
     stamp = {"time": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine_info(),
              "bandwidth": dev.bandwidth, "bf16_flops": dev.flops["bfloat16"], "tolerance": args.tolerance}

@@ -67,4 +67,5 @@ def layouts(cfg: ModelConfig, memory: MemoryBreakdown, dev: Device, max_devices:
 def devices_by_memory(memory: MemoryBreakdown, dev: Device, utilization: float) -> int:
     """The fewest devices whose memory holds the weights, the target KV and the activations, ignoring how
     they would be split."""
-    return math.ceil((memory.weights + memory.kv_total) / (dev.memory_bytes * utilization - memory.activations))
+    room = dev.memory_bytes * utilization - memory.activations
+    return math.ceil((memory.weights + memory.kv_total) / room) if room > 0 else 0  # 0: not even one step fits

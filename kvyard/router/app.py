@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from kvyard import __version__
 from kvyard.router.config import RouterSettings
@@ -136,13 +136,8 @@ def build_router_app(settings: RouterSettings, tokenizer: Any, controller: Any =
             # The decode worker will hold the whole prompt once the KV arrives: only its load matters.
             body["kv_transfer_params"] = kv_params
             raw, policy = json.dumps(body).encode(), st.by_load
-        response = await st.proxy.forward(path, raw, body.get("stream") is True, req, dict(request.headers), policy,
-                                          watch)
-        if pair is not None and watch is not None:
-            pair.served_by = response.headers.get("x-kvyard-worker")
-            if not isinstance(response, StreamingResponse):
-                watch.close()  # a relayed stream closes it when it ends
-        return response
+        return await st.proxy.forward(path, raw, body.get("stream") is True, req, dict(request.headers), policy,
+                                      watch)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -91,7 +91,8 @@ class Proxy:
         policy: Policy | None = None, watch: AnswerReader | None = None,
     ) -> Response:
         """Place the request (with `policy`, default the router's) and relay the worker's answer. `watch` reads the
-        answer as it is relayed (a shadowed request's primary side) and is closed once it has ended."""
+        answer as it is relayed (a shadowed request's primary side) and is closed once it has ended or failed:
+        here for a whole answer, by the relay for a stream."""
         fwd = forwarded_headers(headers, self.client)
         arrival = time.monotonic()
         tried: set[str] = set()
@@ -105,15 +106,24 @@ class Proxy:
             tried.add(d.worker.url)
             self.placement.begin(d, req)
             self.observed.decided(d.worker.url, d.reason)
+            if watch is not None:
+                watch.served_by = d.worker.url
             try:
                 if stream:
-                    return await self._stream(d, req, path, raw, fwd, arrival, watch)
-                return await self._once(d, req, path, raw, fwd, watch)
+                    response = await self._stream(d, req, path, raw, fwd, arrival, watch)
+                else:
+                    response = await self._once(d, req, path, raw, fwd, watch)
             except WorkerFailed as e:
                 self.placement.end(d, req)
                 last_error = str(e)
                 self.metrics.requests.labels(d.worker.url, "retried").inc()
                 log.warning("%s", e)
+                continue
+            if watch is not None and not isinstance(response, StreamingResponse):
+                watch.close()
+            return response
+        if watch is not None:
+            watch.close()  # no answer at all
         body = error_body(503, f"no worker could take the request: {last_error}", "no_worker_available")
         return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 

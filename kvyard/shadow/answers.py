@@ -18,6 +18,7 @@ class AnswerReader:
     def __init__(self, started: float | None = None, on_close: "Callable[[AnswerReader], None] | None" = None):
         self.started = time.monotonic() if started is None else started
         self.on_close = on_close  # called once, when the answer has ended or failed
+        self.served_by: str | None = None  # the worker that answered, where a router relayed it
         self.text: list[str] = []
         self.calls: dict[int, dict[str, str]] = {}  # tool call index -> name and arguments so far
         self.ttft_s: float | None = None

@@ -24,6 +24,7 @@ from typing import IO, Any
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from kvyard.background import BoundedWorker
 from kvyard.shadow.compare import Answer, Budgets, PairScore, score_pair, verdict
 from kvyard.shadow.mirror import Mirror, Pair, ShadowSettings
 from kvyard.shadow.score import score_tokens
@@ -40,7 +41,7 @@ class ShadowMetrics:
     def __init__(self, registry: CollectorRegistry):
         self.pairs = Counter("kvyard_shadow_pairs", "Mirrored requests by what became of the pair: scored, "
                              "primary_failed, candidate_failed, score_failed, score_skipped_busy (the primary's worker was never "
-                             "idle), dropped (the comparator was busy)",
+                             "idle), dropped (the comparator was busy), unrecorded (the record's writer was busy)",
                              ["outcome"], registry=registry)
         self.exact = Counter("kvyard_shadow_exact_match", "Scored pairs at temperature 0, by whether the "
                              "candidate's text was the primary's", ["match"], registry=registry)
@@ -91,9 +92,12 @@ class LiveComparator:
         self.scores: deque[PairScore] = deque(maxlen=settings.keep)  # the latest, for GET /shadow
         self._random = random.Random()
         self.record: IO[str] | None = None
-        if settings.record:
+        self.recorder: BoundedWorker[dict[str, Any]] | None = None
+        if settings.record:  # written on a thread of its own: a slow disk never holds up the router's loop
             Path(settings.record).parent.mkdir(parents=True, exist_ok=True)
             self.record = open(settings.record, "a", buffering=1)  # noqa: SIM115 - open for the router's life
+            self.recorder = BoundedWorker(self._write_line, "kvyard-shadow-record", settings.queue,
+                                          lambda e: log.warning("the shadow record could not be written: %s", e))
         self.task = asyncio.create_task(self._run())
 
     def submit(self, pair: Pair) -> None:
@@ -120,7 +124,7 @@ class LiveComparator:
             return
         if pair.primary.text and pair.served_by and self._random.random() < self.settings.score:
             try:
-                await self._teacher_force(pair, pair.primary, pair.candidate)
+                await self._teacher_force(pair)
             except TimeoutError:
                 pair.errors["score"] = f"{pair.served_by} was never idle for {self.settings.timeout_s:g} s"
                 self.metrics.pairs.labels("score_skipped_busy").inc()
@@ -133,8 +137,9 @@ class LiveComparator:
         self.scores.append(score)
         await self._write(pair, score)
 
-    async def _teacher_force(self, pair: Pair, primary: Answer, candidate: Answer) -> None:
-        assert pair.served_by is not None
+    async def _teacher_force(self, pair: Pair) -> None:
+        primary, candidate = pair.primary, pair.candidate
+        assert primary is not None and candidate is not None and pair.served_by is not None
         prompt_ids = pair.prompt_ids or await self.tokenizer.token_ids(pair.path, pair.body)
         if not prompt_ids:
             raise ValueError("the prompt cannot be tokenized in the router")
@@ -152,7 +157,7 @@ class LiveComparator:
             await asyncio.sleep(IDLE_POLL_S)
 
     async def _write(self, pair: Pair, score: PairScore | None) -> None:
-        if self.record is None:
+        if self.recorder is None:
             return
         line: dict[str, Any] = {"id": pair.request_id, "arrived": pair.arrived, "path": pair.path,
                                 "model": pair.body.get("model"), "served_by": pair.served_by,
@@ -165,12 +170,18 @@ class LiveComparator:
             for side in ("primary", "candidate"):
                 answer: Answer | None = getattr(pair, side)
                 line[side] = None if answer is None else {"text": answer.text, "tool_calls": answer.tool_calls}
+        if not self.recorder.submit(line):
+            self.metrics.pairs.labels("unrecorded").inc()
+
+    def _write_line(self, line: dict[str, Any]) -> None:
+        assert self.record is not None
         self.record.write(json.dumps(line) + "\n")
 
     async def close(self) -> None:
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
-        if self.record is not None:
+        if self.recorder is not None and self.record is not None:
+            await asyncio.to_thread(self.recorder.close)  # what is queued is written first
             self.record.close()
 
 

@@ -55,7 +55,8 @@ class ShadowSettings:
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/").removesuffix("/v1")
-        for name, ok in (("sample", 0.0 <= self.sample <= 1.0), ("score", 0.0 <= self.score <= 1.0), ("max_in_flight", self.max_in_flight >= 1),
+        for name, ok in (("sample", 0.0 <= self.sample <= 1.0), ("score", 0.0 <= self.score <= 1.0),
+                         ("max_in_flight", self.max_in_flight >= 1),
                          ("timeout_s", self.timeout_s > 0), ("dead_after", self.dead_after >= 1),
                          ("retry_after_s", self.retry_after_s >= 0), ("keep", self.keep >= 1),
                          ("queue", self.queue >= 1)):
@@ -85,6 +86,8 @@ class Pair:
     def _ended(self, side: str, reader: AnswerReader) -> None:
         answer = reader.answer()
         setattr(self, side, answer)
+        if side == "primary":
+            self.served_by = reader.served_by
         if answer is None:
             self.errors[side] = reader.failed or "the answer did not end"
         self.pending.discard(side)
