@@ -29,8 +29,9 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """Workload, load and measurement flags, shared with `kvyard bench serve-compare`."""
+def add_workload_args(p: argparse.ArgumentParser, loads: bool = True) -> None:
+    """Workload, load and measurement flags, shared with `kvyard bench serve-compare` and (without the load
+    flags: it searches the load itself) `kvyard tune`."""
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=WORKLOADS, default="random")
     w.add_argument("--num-requests", type=int, default=64, help="requests in all (multi-turn: turns in all)")
@@ -47,7 +48,13 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--tokenizer", default=None,
                    help="build prompts from this model's tokens (kvyard model name, path or HF name); "
                         "default: common English words, about one token each")
+    w.add_argument("--tool-share", type=float, default=0.3,
+                   help="chat-tools: the share of requests that offer tools and ask for a call")
     w.add_argument("--seed", type=int, default=0, help="seeds the workload and the Poisson arrivals")
+    if not loads:
+        w.add_argument("--trace", default=None, help="replay this trace's prompts and arrivals (a kvyard capture, "
+                       "Mooncake JSONL or Azure CSV), sped up as the load search needs")
+        return
     ld = p.add_argument_group("load")
     ld.add_argument("--concurrency", type=int, default=None, help="closed loop: requests in flight (default 8)")
     ld.add_argument("--request-rate", type=float, default=None,
@@ -57,6 +64,16 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                     "file, a Mooncake JSONL trace or an Azure CSV (kvyard/bench/trace.py)")
     ld.add_argument("--time-scale", type=float, default=1.0,
                     help="--trace: each request at its recorded offset times this (0.5: twice as fast)")
+    add_request_args(p)
+
+
+def add_slo_args(g: "argparse._ArgumentGroup | argparse.ArgumentParser") -> None:
+    g.add_argument("--slo-ttft-ms", type=float, default=None)
+    g.add_argument("--slo-tpot-ms", type=float, default=None)
+    g.add_argument("--slo-e2e-ms", type=float, default=None)
+
+
+def add_request_args(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("requests and report")
     r.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     r.add_argument("--temperature", type=float, default=0.0)
@@ -70,9 +87,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--keep-alive", action=argparse.BooleanOptionalAction, default=False,
                    help="reuse connections between requests (default: a new one per request)")
     r.add_argument("--percentiles", type=_floats, default=[50.0, 90.0, 99.0])
-    r.add_argument("--slo-ttft-ms", type=float, default=None)
-    r.add_argument("--slo-tpot-ms", type=float, default=None)
-    r.add_argument("--slo-e2e-ms", type=float, default=None)
+    add_slo_args(r)
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -111,11 +126,11 @@ def loads_from_args(args: argparse.Namespace) -> list[LoadSpec]:
     return [LoadSpec("closed", concurrency=c) for c in levels]
 
 
-def config_from_args(args: argparse.Namespace, url: str) -> ServeBenchConfig:
+def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
     workload = WorkloadSpec(
         name=args.workload, num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, num_groups=args.num_groups, prefix_len=args.prefix_len, turns=args.turns,
-        history_len=args.history_len, seed=args.seed,
+        history_len=args.history_len, tool_share=args.tool_share, seed=args.seed,
     )
     for name in ("num_requests", "input_len", "output_len", "num_groups", "turns"):
         if getattr(workload, name) < 1:
@@ -124,6 +139,13 @@ def config_from_args(args: argparse.Namespace, url: str) -> ServeBenchConfig:
         raise BenchError("--history-len must be >= 0")
     if not 0 <= workload.range_ratio < 1:
         raise BenchError("--range-ratio must be in [0, 1)")
+    if not 0 <= workload.tool_share <= 1:
+        raise BenchError("--tool-share must be in [0, 1]")
+    return workload
+
+
+def config_from_args(args: argparse.Namespace, url: str) -> ServeBenchConfig:
+    workload = workload_from_args(args)
     if args.timeout <= 0 or math.isnan(args.timeout):
         raise BenchError("--timeout must be > 0")
     if not isinstance(args.extra_body, dict):

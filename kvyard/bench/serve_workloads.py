@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Literal
 
-WORKLOADS = ("random", "shared-prefix", "multi-turn", "tool-call")
+WORKLOADS = ("random", "shared-prefix", "multi-turn", "tool-call", "chat-tools")
 
 # Short, common words: most BPE vocabularies have each as one token (with its leading space), so
 # N words are about N tokens when no tokenizer is given.
@@ -55,6 +55,7 @@ class WorkloadSpec:
     prefix_len: int = 512  # shared-prefix
     turns: int = 3  # multi-turn
     history_len: int = 0  # multi-turn: a context of its own (a document, an earlier chat) opens each conversation
+    tool_share: float = 0.3  # chat-tools: the share of requests that offer tools and ask for a call
     seed: int = 0
 
 
@@ -129,6 +130,12 @@ _TOOL_ASKS = (
 _CITIES = ("Paris", "Tokyo", "Lima", "Oslo", "Nairobi", "Toronto", "Seoul", "Madrid")
 
 
+def tool_session(rng: random.Random, i: int, spec: WorkloadSpec) -> Session:
+    """A chat request that offers TOOLS and asks for one of them."""
+    ask = _TOOL_ASKS[i % len(_TOOL_ASKS)].format(city=rng.choice(_CITIES))
+    return Session("chat", [Turn(ask, _length(rng, spec.output_len, spec.range_ratio), len(ask.split()))], tools=TOOLS)
+
+
 def build_sessions(spec: WorkloadSpec, tokenizer: Any = None) -> list[Session]:
     """The sessions of a workload; their turns add up to exactly `spec.num_requests` requests."""
     rng = random.Random(spec.seed)
@@ -158,10 +165,8 @@ def build_sessions(spec: WorkloadSpec, tokenizer: Any = None) -> list[Session]:
                                     system=history))
         return sessions
     if spec.name == "tool-call":
-        sessions = []
-        for i in range(n):
-            ask = _TOOL_ASKS[i % len(_TOOL_ASKS)].format(city=rng.choice(_CITIES))
-            t = Turn(ask, _length(rng, spec.output_len, spec.range_ratio), len(ask.split()))
-            sessions.append(Session("chat", [t], tools=TOOLS))
-        return sessions
+        return [tool_session(rng, i, spec) for i in range(n)]
+    if spec.name == "chat-tools":  # plain chat turns, `tool_share` of them tool calls, mixed in at random
+        return [tool_session(rng, i, spec) if rng.random() < spec.tool_share else
+                Session("chat", [turn(_length(rng, spec.input_len, spec.range_ratio))]) for i in range(n)]
     raise ValueError(f"unknown workload {spec.name!r}; choose from {', '.join(WORKLOADS)}")

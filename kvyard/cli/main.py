@@ -64,10 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_moe_parser(sub)
 
     from kvyard.plan.cli import add_plan_parser
+    from kvyard.plan.tune_cli import add_tune_parser
     from kvyard.shadow.report import add_shadow_parser
 
     add_shadow_parser(sub)
     add_plan_parser(sub)
+    add_tune_parser(sub)
 
     fetch = sub.add_parser("fetch", help="download and verify a known model, print its path")
     fetch.add_argument("name", nargs="?", default="smollm2-135m")

@@ -50,9 +50,9 @@ from kvyard.parallel.pipeline import (
 from kvyard.parallel.ranks import DrivingRunner, Workers, start_workers
 from kvyard.parallel.tensor import TensorParallelDecoder, check_tensor_parallel, local_config
 from kvyard.quant.kv_smoothing import smooth_keys
-from kvyard.quant.plan import quantize_stream, uniform_plan
+from kvyard.quant.plan import served_tensors
 from kvyard.quant.qtensor import QuantizedTensor
-from kvyard.quant.scheme import KEEP_GGUF, parse_weight_scheme
+from kvyard.quant.scheme import KEEP_GGUF
 from kvyard.sampling_params import SamplingParams
 from kvyard.spec.decoding import split_logits
 from kvyard.spec.setup import make_speculation
@@ -298,17 +298,10 @@ class LLMEngine:
         return BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
 
     def _weights(self, ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-        if not self.cfg.quantization:
-            return ckpt.tensors()
         if self.cfg.quantization == KEEP_GGUF:
-            if ckpt.native_tensors is None:
-                raise ConfigError(f"quantization gguf keeps a GGUF file's blocks; {ckpt.path} is not a GGUF file",
-                                  param="quantization")
             log.info("%s: %d linear weights kept in their GGUF blocks (loader/gguf_native.py), the rest dense",
                      ckpt.path.name, ckpt.native_layers)
-            return ckpt.native_tensors()
-        plan = uniform_plan(ckpt.config, parse_weight_scheme(self.cfg.quantization))
-        return quantize_stream(ckpt.tensors(), plan)
+        return served_tensors(ckpt, self.cfg.quantization)
 
     # ---- admission -----------------------------------------------------------------------------------
 

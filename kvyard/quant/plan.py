@@ -8,15 +8,18 @@ stored as a compressed-tensors `quantization_config`.
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvyard.errors import CheckpointError
+from kvyard.errors import CheckpointError, ConfigError
 from kvyard.models.config import ModelConfig
 from kvyard.models.moe import expert_tensor_names
 from kvyard.quant.qtensor import QuantizedTensor
-from kvyard.quant.scheme import WeightScheme
+from kvyard.quant.scheme import KEEP_GGUF, WeightScheme, parse_weight_scheme
+
+if TYPE_CHECKING:
+    from kvyard.loader.checkpoint import Checkpoint
 
 Plan = dict[str, WeightScheme]  # HF linear name (without `.weight`) -> scheme
 DEFAULT_PROTECT = ("lm_head",)  # the embedding table is never quantized: it is a lookup, not a matmul
@@ -116,6 +119,21 @@ def quantize_stream(
             yield name, QuantizedTensor.quantize(t, plan[base])
         else:
             yield name, t
+
+
+def served_tensors(ckpt: "Checkpoint", quantization: str | None
+                   ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """The weights an engine loads with `--quantization`: the checkpoint's own, its GGUF blocks kept (`gguf`),
+    or every planned linear rounded to the scheme as it goes by. The engine and `kvyard tune`'s fidelity gate
+    both load this way, so what the gate measures is what is served."""
+    if not quantization:
+        return ckpt.tensors()
+    if quantization == KEEP_GGUF:
+        if ckpt.native_tensors is None:
+            raise ConfigError(f"quantization gguf keeps a GGUF file's blocks; {ckpt.path} is not a GGUF file",
+                              param="quantization")
+        return ckpt.native_tensors()
+    return quantize_stream(ckpt.tensors(), uniform_plan(ckpt.config, parse_weight_scheme(quantization)))
 
 
 def add_tied_head(tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,

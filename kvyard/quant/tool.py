@@ -37,6 +37,7 @@ from kvyard.quant.plan import (
     is_protected,
     linear_units,
     plan_to_config,
+    served_tensors,
 )
 from kvyard.quant.qtensor import QuantizedTensor
 from kvyard.quant.scheme import (
@@ -274,6 +275,18 @@ def kv_cache_fidelity(ref: Reference) -> Fidelity:
     smooth_keys(ref.model, ref.ckpt.tokenizer, ref.opts.max_seq_len)
     with torch.inference_mode():
         return ref.meter.measure(ref.model, kv_int8=True)
+
+
+def served_fidelity(ref: Reference, dtype: str, quantization: str | None, kv_int8: bool) -> Fidelity:
+    """The model as an engine serves it (`dtype`, `--quantization`, `--kv-cache-dtype int8`: its weights loaded
+    as kvyard.quant.plan.served_tensors loads them, its keys smoothed as the engine smooths them) against `ref`:
+    what `kvyard tune`'s fidelity gate holds each candidate that changes numerics to."""
+    model = _dense_model(ref.ckpt, lambda: served_tensors(ref.ckpt, quantization),  # type: ignore[arg-type]
+                         replace(ref.opts, dtype=dtype))
+    if kv_int8:
+        smooth_keys(model, ref.ckpt.tokenizer, ref.opts.max_seq_len)
+    with torch.inference_mode():
+        return ref.meter.measure(model, kv_int8=kv_int8)
 
 
 def quantize_model(opts: QuantizeOptions) -> QuantizeResult:

@@ -117,7 +117,7 @@ class DeployConfig:
     cluster: dict[str, Any] = dataclasses.field(default_factory=dict)  # `kvyard up` only (kvyard/cluster/config.py)
 
 
-_SECTIONS: dict[str, type] = {"engine": EngineConfig, "server": ServerSettings, "cluster": ClusterConfig}
+SECTION_TYPES: dict[str, type] = {"engine": EngineConfig, "server": ServerSettings, "cluster": ClusterConfig}
 
 
 def load_deploy_config(path: str | Path) -> DeployConfig:
@@ -135,7 +135,7 @@ def load_deploy_config(path: str | Path) -> DeployConfig:
                           param="config")
     config = DeployConfig()
     for section, body in data.items():
-        if section not in _SECTIONS:
+        if section not in SECTION_TYPES:
             raise ConfigError(
                 f"{path}: unknown key {section!r}; the top level has only 'engine', 'server' and 'cluster'",
                 param=str(section),
@@ -144,7 +144,7 @@ def load_deploy_config(path: str | Path) -> DeployConfig:
             continue
         if not isinstance(body, dict):
             raise ConfigError(f"{path}: section {section!r} must be a mapping", param=section)
-        setattr(config, section, check_fields(_SECTIONS[section], body, f"{path}: {section}"))
+        setattr(config, section, check_fields(SECTION_TYPES[section], body, f"{path}: {section}"))
     return config
 
 

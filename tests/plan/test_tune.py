@@ -1,0 +1,88 @@
+"""`kvyard tune` on a tiny model: it beats a deliberately bad default, skips an injected crash, resumes, and
+writes a deployment file that `kvyard serve --config` runs; the fidelity gate holds back changed numerics."""
+
+import json
+
+import httpx
+import pytest
+
+from kvyard.bench.compare_serve import ManagedServer
+from kvyard.bench.serve_metrics import SLOs
+from kvyard.bench.serve_workloads import WorkloadSpec
+from kvyard.cli.main import main
+from kvyard.plan.goodput import GoodputSearch
+from kvyard.plan.tune import TuneOptions, Tuner
+from kvyard.plan.tune_space import Candidate, candidates, load_base
+from kvyard.router.launcher import kvyard_command
+from kvyard.server.config import load_deploy_config
+
+PORT = 8791
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+def test_tune_beats_a_bad_default_and_skips_a_crash(tiny, tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text(f"engine:\n  model: {tiny}\n  max_num_seqs: 1\n  dtype: float32\n")
+    out = tmp_path / "tune"
+    argv = ["tune", "--base", str(base), "--out", str(out), "--port", str(PORT),
+            "--knob", "engine.max_num_seqs=16", "--knob", "engine.kv_cache_memory=1KiB,1GiB",
+            "--repeats", "1", "--max-probes", "6", "--start-rate", "8", "--num-requests", "24",
+            "--input-len", "16", "--output-len", "64", "--slo-ttft-ms", "200", "--slo-tpot-ms", "60",
+            "--ready-timeout", "120", "--request-timeout", "30"]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    by_label = {r["label"]: r for r in rows}
+    assert list(by_label) == ["default", "max_num_seqs=16, kv_cache_memory=1KiB",
+                              "max_num_seqs=16, kv_cache_memory=1GiB"]
+    crashed = by_label["max_num_seqs=16, kv_cache_memory=1KiB"]
+    assert crashed["status"] == "infeasible" and "holds no block" in crashed["reason"]
+    default, tuned = by_label["default"], by_label["max_num_seqs=16, kv_cache_memory=1GiB"]
+    assert default["status"] == tuned["status"] == "ok"
+    assert tuned["goodput_rps"] > 1.3 * default["goodput_rps"], (default, tuned)
+    assert (out / "pareto.png").stat().st_size > 0 and "Best: **max_num_seqs=16" in (out / "tune.md").read_text()
+
+    # Resumed: every candidate is in the record, so nothing is started again and the answer is the same.
+    logs = sorted(p.name for p in (out / "logs").iterdir())
+    assert main(argv) == 0
+    assert sorted(p.name for p in (out / "logs").iterdir()) == logs
+    assert len((out / "results.jsonl").read_text().splitlines()) == 3
+
+    # The deployment file is one `kvyard serve --config` runs.
+    deploy = out / "deploy.yaml"
+    assert load_deploy_config(deploy).engine["max_num_seqs"] == 16
+    server = ManagedServer(" ".join([*kvyard_command("serve", "--config", str(deploy)), "--port", str(PORT)]),
+                           PORT, tmp_path / "serve.log")
+    try:
+        server.wait_ready(120)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True},
+                       timeout=30, trust_env=False)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        server.stop()
+
+
+def _tuner(tiny, tmp_path, space, kl_budget):
+    search = GoodputSearch(url="", workload=WorkloadSpec(), slos=SLOs(tpot_ms=100))
+    cands = candidates(load_base(None, str(tiny)), space)
+    return Tuner(TuneOptions(out=tmp_path, search=search, kl_budget=kl_budget), cands), cands
+
+
+def test_the_fidelity_gate_measures_the_served_numerics(tiny, tmp_path):
+    tuner, cands = _tuner(tiny, tmp_path, {("engine", "quantization"): ["int4-g32"]}, kl_budget=1e-6)
+    same = tuner.gate.measure(cands[0])
+    assert same["kl_mean"] == 0.0 and same["top1_agreement"] == 1.0  # the base's own numerics: exact
+    row = tuner.measure(cands[1])  # over budget: refused before any server starts
+    assert row["status"] == "over_kl" and row["fidelity"]["kl_mean"] > 1e-6
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_candidate_larger_than_one_that_ran_out_of_memory_is_skipped(tiny, tmp_path):
+    tuner, cands = _tuner(tiny, tmp_path, {("engine", "max_num_seqs"): [96, 128]}, kl_budget=1.0)
+    tuner.rows[cands[1].key] = {"status": "infeasible", "oom": True}
+    row = tuner.measure(cands[2])
+    assert row["status"] == "skipped" and "max_num_seqs=96" in row["reason"]
+    assert isinstance(cands[2], Candidate) and not (tmp_path / "logs").exists()
