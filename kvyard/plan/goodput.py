@@ -29,6 +29,8 @@ class Probe:
     failed: int  # requests that errored
     passed: bool
     errors: dict[str, int] = field(default_factory=dict)  # the commonest errors, by message
+    ttft_p90_ms: float | None = None  # which SLO gave way first
+    tpot_p90_ms: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,7 +68,8 @@ class GoodputSearch:
         offered = s["num_requests"] / s["duration_s"] if self.trace else rate
         tpot = (s["tpot_ms"] or {}).get("p50")
         return Probe(rate, attained, offered * attained, s["output_throughput"], 1000 / tpot if tpot else 0.0,
-                     s["failed"], attained >= self.attain and s["completed"] > 0, s["errors"])
+                     s["failed"], attained >= self.attain and s["completed"] > 0, s["errors"],
+                     (s["ttft_ms"] or {}).get("p90"), (s["tpot_ms"] or {}).get("p90"))
 
     def run(self, seed: int = 0) -> list[Probe]:
         """Probe until the bracket is narrow enough; every probe, in the order run."""

@@ -112,7 +112,9 @@ def candidates(base: DeployConfig, space: dict[KnobName, list[Any]]) -> list[Can
         for section, body in settings.items():
             if body:
                 check_fields(SECTION_TYPES[section], body, f"tuning space: {section}")
-        c = Candidate(settings, dict(zip(names, values, strict=True)))
+        # the knobs this candidate changes from the base (its label, and what an OOM is blamed on)
+        knobs = {n: v for n, v in zip(names, values, strict=True) if v != out[0].value(n)}
+        c = Candidate(settings, knobs)
         if all(c.key != o.key for o in out):
             out.append(c)
     return out

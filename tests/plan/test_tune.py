@@ -37,10 +37,10 @@ def test_tune_beats_a_bad_default_and_skips_a_crash(tiny, tmp_path):
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     by_label = {r["label"]: r for r in rows}
     assert list(by_label) == ["default", "max_num_seqs=16, kv_cache_memory=1KiB",
-                              "max_num_seqs=16, kv_cache_memory=1GiB"]
+                              "max_num_seqs=16"]
     crashed = by_label["max_num_seqs=16, kv_cache_memory=1KiB"]
     assert crashed["status"] == "infeasible" and "holds no block" in crashed["reason"]
-    default, tuned = by_label["default"], by_label["max_num_seqs=16, kv_cache_memory=1GiB"]
+    default, tuned = by_label["default"], by_label["max_num_seqs=16"]
     assert default["status"] == tuned["status"] == "ok"
     assert tuned["goodput_rps"] > 1.3 * default["goodput_rps"], (default, tuned)
     assert (out / "pareto.png").stat().st_size > 0 and "Best: **max_num_seqs=16" in (out / "tune.md").read_text()
