@@ -22,11 +22,13 @@ from kvyard.llm import LLM
 from kvyard.models.linear import packed_copies
 from kvyard.plan.hardware import Device
 from kvyard.plan.layouts import layout
-from kvyard.plan.measure import measured_this_machine
+from kvyard.plan.measure import measured_this_machine, model_matmul_timings
 from kvyard.plan.memory import WEIGHT_FORMATS, breakdown
 from kvyard.plan.model_spec import from_source
 from kvyard.plan.rates import predict
 from kvyard.sampling_params import SamplingParams
+
+PREFILL_PROMPTS = 4
 
 
 def held_weight_bytes(llm: LLM) -> int:
@@ -59,12 +61,15 @@ def prefill_rate(llm: LLM, prompts: int, length: int, repeats: int = 3) -> float
 
 def predicted(name: str, dev: Device, copies: int, args: argparse.Namespace) -> dict[str, float]:
     model = from_source(name)
+    cfg = model.config
+    prefill_rows = PREFILL_PROMPTS * args.prefill_len  # one step: the offline token budget holds them all
+    timings = None if cfg.num_experts or cfg.kv_lora_rank else model_matmul_timings(
+        cfg, (1, args.batch, prefill_rows), head_rows={prefill_rows: PREFILL_PROMPTS})
     out: dict[str, float] = {}
     for batch in (1, args.batch):
-        mem = breakdown(model.config, WEIGHT_FORMATS["bfloat16"], args.input_len, batch, size=model.size,
-                        packed_copies=copies)
-        lo = layout(model.config, mem, dev, 1, 1, 0.9)
-        rates = predict(model.config, model.active_params, mem, dev, lo, batch, args.input_len)
+        mem = breakdown(cfg, WEIGHT_FORMATS["bfloat16"], args.input_len, batch, size=model.size, packed_copies=copies)
+        lo = layout(cfg, mem, dev, 1, 1, 0.9)
+        rates = predict(cfg, model.active_params, mem, dev, lo, batch, args.input_len, matmul_s=timings)
         out[f"decode_tok_s_batch_{batch}"] = rates.decode_tok_s
     out["prefill_tok_s"] = rates.prefill_tok_s
     out["weight_bytes"] = mem.weights
@@ -74,7 +79,7 @@ def predicted(name: str, dev: Device, copies: int, args: argparse.Namespace) -> 
 def measured(llm: LLM, args: argparse.Namespace) -> dict[str, float]:
     out = {f"decode_tok_s_batch_{batch}": statistics.median(decode_rate(llm, batch, args.input_len, args.steps)
                                                            for _ in range(3)) for batch in (1, args.batch)}
-    out["prefill_tok_s"] = prefill_rate(llm, 4, args.prefill_len)
+    out["prefill_tok_s"] = prefill_rate(llm, PREFILL_PROMPTS, args.prefill_len)
     out["weight_bytes"] = float(held_weight_bytes(llm))  # after the runs: the head is packed at its first use
     return out
 

@@ -10,8 +10,10 @@ import json
 from dataclasses import asdict
 from typing import Any
 
+from kvyard.errors import ConfigError
+from kvyard.models.config import ModelConfig
 from kvyard.models.linear import packed_copies
-from kvyard.plan.hardware import CATALOGUE, device
+from kvyard.plan.hardware import CATALOGUE, Device, device
 from kvyard.plan.layouts import Layout, devices_by_memory, layouts
 from kvyard.plan.memory import DTYPES, WEIGHT_FORMATS, breakdown, weight_format
 from kvyard.plan.model_spec import DESCRIBE_KEYS, planned_model
@@ -20,9 +22,24 @@ from kvyard.plan.rates import predict
 GB = 1e9
 
 
+def _measured(args: argparse.Namespace, cfg: ModelConfig, weights: str) -> tuple[Device, dict[int, float] | None]:
+    """This machine's rates measured now (about half a minute), and the model's own matmuls timed at its shapes
+    where the engine runs them as dense bf16 layers (not a Mixture of Experts or a latent cache)."""
+    from kvyard.plan.measure import measured_this_machine, model_matmul_timings
+
+    if args.hardware != "this":
+        raise ConfigError("--measure measures this machine: use it with --hardware this", param="measure")
+    dense = weights == "bfloat16" and not cfg.num_experts and not cfg.kv_lora_rank
+    rows = (1, args.concurrency, args.max_num_batched_tokens)
+    return measured_this_machine(), model_matmul_timings(cfg, rows, {args.max_num_batched_tokens: 1}) if dense else None
+
+
 def run_plan(args: argparse.Namespace) -> int:
     fmt, dev = weight_format(args.weights), device(args.hardware)
     model = planned_model(args.model, args.describe)
+    timings = None
+    if args.measure:
+        dev, timings = _measured(args, model.config, fmt.name)
     # On this machine the engine's own packing decides how many copies of the dense weights it holds.
     copies = packed_copies(args.max_num_batched_tokens, DTYPES[args.dtype]) if dev.name == "this" else 0
     mem = breakdown(model.config, fmt, args.context, args.concurrency, args.kv_dtype, args.dtype,
@@ -30,7 +47,8 @@ def run_plan(args: argparse.Namespace) -> int:
     fits = [lo for lo in layouts(model.config, mem, dev, args.max_devices, args.memory_utilization) if lo.fits]
     need = [lo for lo in fits if lo.kv_tokens >= args.context * args.concurrency]
     rates = {(lo.tp, lo.pp): {f"batch_{b}": asdict(predict(model.config, model.active_params, mem, dev, lo, b,
-                                                          args.context, args.weights_compute))
+                                                          args.context, args.weights_compute,
+                                                          matmul_s=timings))
                               for b in (1, args.concurrency)} for lo in fits[:args.top]} if dev.bandwidth else {}
     if rates:  # the layouts that hold the target KV, fastest at the target concurrency first
         def speed(lo: Layout) -> float:
@@ -106,5 +124,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-utilization", type=float, default=0.9, help="share of each device's memory for kvyard")
     p.add_argument("--max-devices", type=int, default=8)
     p.add_argument("--top", type=int, default=8, help="how many fitting layouts to list")
+    p.add_argument("--measure", action="store_true",
+                   help="with --hardware this: measure this machine's rates and the model's matmuls, and predict rates")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run_plan)

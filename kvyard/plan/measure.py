@@ -5,15 +5,20 @@
   engine packs it and run by the engine's own linear kernel;
 - the weight streaming rate at 1 to 128 rows: bytes of weights a second the engine's linear gets through,
   over weights far larger than the caches, which is what a decode step's matmuls do;
-- the fixed cost of a decode step is what the calibration fits from measured engines (kvyard bench plan).
+- a model's own matmuls (`model_matmul_timings`): each dense layer's fused qkv, o, gate|up and down and the
+  LM head, at the rows a step carries, the weights packed as the engine packs them and enough layers that no
+  pass finds them in the caches. Small GEMMs run well below the 2,048-row peak and stream below the 2,048-wide
+  rate, so a model's shapes, not a square's, are what its steps take (the operator profiles Vidur composes).
 Each figure is the best of its repeats: a VM's stalls slow single runs, never speed them up.
 """
 
 import time
 from dataclasses import replace
+from typing import Any
 
 import torch
 
+from kvyard.models.config import ModelConfig
 from kvyard.models.linear import linear, pack_weight
 from kvyard.plan.hardware import Device, this_machine
 
@@ -63,3 +68,37 @@ def measured_this_machine(rows: tuple[int, ...] = STREAM_ROWS) -> Device:
     dev = this_machine()
     return replace(dev, bandwidth=memory_bandwidth(), flops={"bfloat16": matmul_flops()},
                    stream={r: weight_stream_rate(r) for r in rows}, note=dev.note + ", measured")
+
+
+def _calls_seconds(calls: list[tuple[torch.Tensor, Any]]) -> float:
+    def run() -> None:
+        for x, w in calls:
+            linear(x, w)
+    return _best_seconds(run, repeats=3)
+
+
+def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
+    """(out, in, fused gate|up) of one dense decoder layer's matmuls as the engine runs them."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return [(q + 2 * kv, h, False), (h, q, False), (2 * cfg.intermediate_size, h, True),
+            (h, cfg.intermediate_size, False)]
+
+
+def model_matmul_timings(cfg: ModelConfig, rows: tuple[int, ...], head_rows: dict[int, int] | None = None,
+                         total_bytes: int = BUFFER_BYTES // 2) -> dict[int, float]:
+    """rows -> seconds of one forward's matmuls at that many rows: every layer's (timed over enough packed
+    copies of a layer to overrun the caches, at most the model's own layers) and the head's at `head_rows[rows]`
+    rows (default: all of them; a prefill computes logits for its sequences' last tokens only)."""
+    shapes = layer_shapes(cfg)
+    layer_bytes = sum(o * i * 2 for o, i, _ in shapes)
+    copies = max(1, min(cfg.num_layers, total_bytes // layer_bytes))
+    layers = [[pack_weight(torch.randn(o, i).to(torch.bfloat16), max_rows=STEP_ROWS, gate_up=g) for o, i, g in shapes]
+              for _ in range(copies)]
+    head = pack_weight(torch.randn(cfg.vocab_size, cfg.hidden_size).to(torch.bfloat16), max_rows=STEP_ROWS)
+    out = {}
+    for r in rows:
+        xs = {i: torch.randn(r, i).to(torch.bfloat16) for _, i, _ in shapes}
+        layer_calls = [(xs[i], w) for layer in layers for w, (_, i, _) in zip(layer, shapes, strict=True)]
+        head_call = [(torch.randn((head_rows or {}).get(r, r), cfg.hidden_size).to(torch.bfloat16), head)]
+        out[r] = _calls_seconds(layer_calls) / copies * cfg.num_layers + _calls_seconds(head_call)
+    return out

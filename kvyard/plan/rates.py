@@ -40,9 +40,11 @@ def _flops(dev: Device, compute: str) -> float:
 
 def predict(cfg: ModelConfig, params: int, memory: MemoryBreakdown, dev: Device, lo: Layout, batch: int,
             context: int, compute: str = "bfloat16", step_overhead_s: float = 0.0,
-            activation_bytes: int = 2) -> Rates:
+            activation_bytes: int = 2, matmul_s: dict[int, float] | None = None) -> Rates:
     """Rates of `lo` on `dev` for `batch` sequences at `context` tokens; `params` counts the parameters each
-    token computes with (a Mixture of Experts' active ones)."""
+    token computes with (a Mixture of Experts' active ones). `matmul_s` (kvyard.plan.measure.model_matmul_timings,
+    rows -> seconds of a forward's matmuls on this machine) replaces the rooflines' matmul terms, split evenly
+    across the ranks."""
     peak = _flops(dev, compute)
     ranks = lo.tp * lo.pp
     # The sequences go through the stages as pp micro-batches; each stage step reads the stage's weights once.
@@ -54,9 +56,14 @@ def predict(cfg: ModelConfig, params: int, memory: MemoryBreakdown, dev: Device,
     compute_s = stage_flops / peak if peak else 0.0
     if dev.stream:  # measured: the matmuls' streaming rate at this many rows, then the KV and attention after
         kv_bytes = stage_bytes - memory.weights_read / ranks
-        memory_s = memory.weights_read / ranks / stream_rate(dev.stream, micro) + kv_bytes / dev.bandwidth
+        memory_s = memory.weights_read / ranks / interpolate(dev.stream, micro) + kv_bytes / dev.bandwidth
         compute_s = micro * attention / ranks / peak if peak else 0.0
         memory_s, compute_s = memory_s + compute_s, 0.0
+    if matmul_s:  # this model's own matmuls timed at its shapes, and the KV reads and attention after
+        kv_bytes = stage_bytes - memory.weights_read / ranks
+        attention_s = micro * attention / ranks / peak if peak else 0.0
+        memory_s = interpolate(matmul_s, micro) / ranks + kv_bytes / dev.bandwidth + attention_s
+        compute_s = 0.0
     comm_s = 0.0
     if lo.tp > 1 and dev.link:  # two all-reduces of the hidden state a layer (attention's and the MLP's)
         moved = 2 * (lo.tp - 1) / lo.tp * micro * cfg.hidden_size * activation_bytes
@@ -68,11 +75,14 @@ def predict(cfg: ModelConfig, params: int, memory: MemoryBreakdown, dev: Device,
     # Prefill is compute-bound; the head runs for the last prompt token only, and attention over half the context.
     per_token = 2 * (params - cfg.vocab_size * cfg.hidden_size) + attention / 2
     prefill = peak * ranks / per_token if peak else 0.0
+    if matmul_s and peak:
+        rows = max(matmul_s)
+        prefill = ranks / (matmul_s[rows] / rows + attention / 2 / peak)
     return Rates(step, batch / step if step else 0.0, prefill, bound)
 
 
-def stream_rate(measured: dict[int, float], rows: float) -> float:
-    """The weight streaming rate at `rows`, linear between the measured row counts (flat past their ends)."""
+def interpolate(measured: dict[int, float], rows: float) -> float:
+    """A figure measured at some row counts, at `rows`: linear between them (flat past their ends)."""
     points = sorted(measured.items())
     if rows <= points[0][0]:
         return points[0][1]

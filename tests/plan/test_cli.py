@@ -37,12 +37,23 @@ def test_a_model_on_disk(tiny_checkpoint, capsys):
     assert {lo["tp"] for lo in r["layouts"]} <= {1, 2, 4}  # the tensor sizes the tiny model's heads allow
 
 
+def test_this_machine_measured_predicts_rates(tiny_checkpoint, capsys):
+    """--measure: this machine's rates and the model's matmuls timed, so every layout gets predicted rates."""
+    path = tiny_checkpoint("llama")
+    assert main(["plan", "--model", str(path), "--hardware", "this", "--measure", "--json", "--max-devices", "1",
+                 "--concurrency", "4", "--max-num-batched-tokens", "64"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    one, four = r["layouts"][0]["predicted"]["batch_1"], r["layouts"][0]["predicted"]["batch_4"]
+    assert 0 < one["decode_tok_s"] < four["decode_tok_s"] and one["prefill_tok_s"] > 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--describe", "params=1e9,layers=2"], "needs hidden="),
     (["--describe", "params=1e9,layers=2,hidden=64,heads=4,colour=3"], "key=value pairs"),
     (["--describe", "params=1e9,layers=2,hidden=64,heads=4", "--model", "x"], "not both"),
     (["--model", "smollm2-135m", "--weights", "int3"], "unknown weight format"),
     (["--model", "smollm2-135m", "--hardware", "tpu9"], "unknown device"),
+    (["--model", "smollm2-135m", "--hardware", "h100", "--measure"], "with --hardware this"),
 ])
 def test_bad_plans_are_named(argv, message):
     args = build_parser().parse_args(["plan", *argv])
