@@ -73,6 +73,10 @@ class Candidate:
 
 
 def _default(section: str, name: str) -> Any:
+    """What leaving a setting out means. No cluster section is one `kvyard serve`, not the cluster defaults, so
+    a cluster setting has no default to stand for it."""
+    if section == "cluster":
+        return None
     for f in dataclasses.fields(SECTION_TYPES[section]):
         if f.name == name:
             return f.default if f.default is not dataclasses.MISSING else None

@@ -86,3 +86,18 @@ def test_a_candidate_larger_than_one_that_ran_out_of_memory_is_skipped(tiny, tmp
     row = tuner.measure(cands[2])
     assert row["status"] == "skipped" and "max_num_seqs=96" in row["reason"]
     assert isinstance(cands[2], Candidate) and not (tmp_path / "logs").exists()
+
+
+def test_a_replica_count_is_a_knob_run_with_kvyard_up(tiny, tmp_path):
+    """A candidate with a cluster section runs as `kvyard up` (workers and the router) and is measured the same way."""
+    base = tmp_path / "base.yaml"
+    base.write_text(f"engine:\n  model: {tiny}\n  dtype: float32\n")
+    out = tmp_path / "tune"
+    assert main(["tune", "--base", str(base), "--out", str(out), "--port", str(PORT), "--knob", "cluster.replicas=2",
+                 "--repeats", "1", "--max-probes", "2", "--start-rate", "4", "--num-requests", "8", "--input-len", "8",
+                 "--output-len", "8", "--slo-ttft-ms", "2000", "--ready-timeout", "120", "--request-timeout", "30"]) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["label"], r["replicas"], r["status"]) for r in rows] == [("default", 1, "ok"), ("replicas=2", 2, "ok")]
+    assert all(r["goodput_rps"] > 0 for r in rows)
+    log = next((out / "logs").glob(f"{rows[1]['key']}-0.log")).read_text()
+    assert "router on port" in log  # it ran as `kvyard up`
