@@ -101,3 +101,20 @@ def test_a_replica_count_is_a_knob_run_with_kvyard_up(tiny, tmp_path):
     assert all(r["goodput_rps"] > 0 for r in rows)
     log = next((out / "logs").glob(f"{rows[1]['key']}-0.log")).read_text()
     assert "router on port" in log  # it ran as `kvyard up`
+
+
+def test_a_trace_is_replayed_faster_until_the_slos_give(tiny, tmp_path):
+    """With a trace the search's rate is how many times faster than recorded the trace is replayed; goodput is
+    the requests that met the SLOs over the time they took."""
+    trace = tmp_path / "azure.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:15:{10 + i // 2:02d}.{5 * (i % 2)}000000,12,6\n" for i in range(8)))
+    search = GoodputSearch(url="", workload=WorkloadSpec(), slos=SLOs(ttft_ms=2000), trace=str(trace),
+                           start_rate=1.0, max_probes=2)
+    cands = candidates(load_base(None, str(tiny)), {})
+    tuner = Tuner(TuneOptions(out=tmp_path / "tune", search=search, repeats=1, port=PORT, ready_timeout=120), cands)
+    row = tuner.run()[0]
+    probes = row["runs"][0]["probes"]
+    assert row["status"] == "ok" and [p["rate"] for p in probes] == [1.0, 2.0]
+    # 8 requests over 3.5 s recorded: about 2.3 req/s at recorded speed, about twice that at twice the speed
+    assert 1.0 < probes[0]["goodput_rps"] < 2.4 < probes[1]["goodput_rps"] < 4.8
