@@ -3,14 +3,18 @@ record (#38).
 
 For each model: the weight bytes the planner predicts against what the loaded engine holds; decode tok/s at
 batch 1 and 32 and prefill tok/s predicted on this machine's measured bandwidth and bf16 FLOPs
-(kvyard.plan.measure) against kvyard's own engine. Each run appends its rows to the record (JSON lines); any
-figure off by more than --tolerance is printed as DRIFT and the command exits 1.
+(kvyard.plan.measure) against kvyard's own engine. Each layer's cost outside its matmuls is fitted on one
+model (--calibrate-on, SmolLM2 by default) and used for the others, whose figures stay out of sample. Each run
+appends its rows to the record (JSON lines); any figure off by more than --tolerance is printed as DRIFT and the
+command exits 1.
 """
 
 import argparse
+import functools
 import json
 import statistics
 import time
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -25,7 +29,7 @@ from kvyard.plan.layouts import layout
 from kvyard.plan.measure import measured_this_machine, model_matmul_timings
 from kvyard.plan.memory import WEIGHT_FORMATS, breakdown
 from kvyard.plan.model_spec import from_source
-from kvyard.plan.rates import predict
+from kvyard.plan.rates import LayerCost, fit_layer_cost, predict
 from kvyard.sampling_params import SamplingParams
 
 PREFILL_PROMPTS = 4
@@ -59,17 +63,24 @@ def prefill_rate(llm: LLM, prompts: int, length: int, repeats: int = 3) -> float
     return prompts * length / best
 
 
-def predicted(name: str, dev: Device, copies: int, args: argparse.Namespace) -> dict[str, float]:
+@functools.cache  # timed once a model: the calibration's fit and the prediction see the same timings
+def _matmul_timings(name: str, batch: int, prefill_rows: int) -> dict[int, float]:
+    return model_matmul_timings(from_source(name).config, (1, batch, prefill_rows),
+                                head_rows={prefill_rows: PREFILL_PROMPTS})
+
+
+def predicted(name: str, dev: Device, copies: int, args: argparse.Namespace,
+              layer_cost: LayerCost | None = None) -> dict[str, float]:
     model = from_source(name)
     cfg = model.config
     prefill_rows = PREFILL_PROMPTS * args.prefill_len  # one step: the offline token budget holds them all
-    timings = None if cfg.num_experts or cfg.kv_lora_rank else model_matmul_timings(
-        cfg, (1, args.batch, prefill_rows), head_rows={prefill_rows: PREFILL_PROMPTS})
+    timings = None if cfg.num_experts or cfg.kv_lora_rank else _matmul_timings(name, args.batch, prefill_rows)
     out: dict[str, float] = {}
     for batch in (1, args.batch):
         mem = breakdown(cfg, WEIGHT_FORMATS["bfloat16"], args.input_len, batch, size=model.size, packed_copies=copies)
         lo = layout(cfg, mem, dev, 1, 1, 0.9)
-        rates = predict(cfg, model.active_params, mem, dev, lo, batch, args.input_len, matmul_s=timings)
+        rates = predict(cfg, model.active_params, mem, dev, lo, batch, args.input_len, matmul_s=timings,
+                        layer_cost=layer_cost)
         out[f"decode_tok_s_batch_{batch}"] = rates.decode_tok_s
     out["prefill_tok_s"] = rates.prefill_tok_s
     out["weight_bytes"] = mem.weights
@@ -84,21 +95,43 @@ def measured(llm: LLM, args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
+def calibrated_layer_cost(name: str, dev: Device, copies: int, seen: dict[str, float],
+                          args: argparse.Namespace) -> LayerCost:
+    """Each layer's cost outside its matmuls, fitted on `name`'s measured decode steps at batch 1 and --batch."""
+    raw = predicted(name, dev, copies, args)
+    steps = {b: (b / raw[f"decode_tok_s_batch_{b}"], b / seen[f"decode_tok_s_batch_{b}"]) for b in (1, args.batch)}
+    return fit_layer_cost(from_source(name).config, {b: p for b, (p, _) in steps.items()},
+                          {b: m for b, (_, m) in steps.items()})
+
+
 def run_plan_bench(args: argparse.Namespace) -> int:
     dev = measured_this_machine()
     print(f"this machine: {dev.bandwidth / 1e9:.1f} GB/s, {dev.flops['bfloat16'] / 1e12:.2f} bf16 TFLOPS (measured)")
+    names = args.models.split(",")
+    # The calibration model first: its steps fit the layer cost every other model's predictions use.
+    order = [args.calibrate_on, *(n for n in names if n != args.calibrate_on)] if args.calibrate_on else names
     rows: list[dict[str, Any]] = []
-    for name in args.models.split(","):
+    cost: LayerCost | None = None
+    for name in order:
         llm = LLM(config=EngineConfig(model=name, dtype="bfloat16"))
-        expected = predicted(name, dev, packed_copies(llm.engine.runner.model.max_rows), args)
+        copies = packed_copies(llm.engine.runner.model.max_rows)
         seen = measured(llm, args)
         del llm
+        if name == args.calibrate_on:
+            cost = calibrated_layer_cost(name, dev, copies, seen, args)
+            print(f"layer cost outside the matmuls, fitted on {name}: {cost.fixed_s * 1e6:.1f} us + "
+                  f"{cost.per_row_hidden_s * 1e9:.2f} ns a row and hidden unit")
+            if name not in names:
+                continue
+        expected = predicted(name, dev, copies, args, cost)
         for figure, value in expected.items():
             error = value / seen[figure] - 1
             rows.append({"model": name, "figure": figure, "predicted": value, "measured": seen[figure],
-                         "error": error, "drift": abs(error) > args.tolerance})
+                         "error": error, "drift": abs(error) > args.tolerance,
+                         "fitted_on": name == args.calibrate_on and figure.startswith("decode")})
     stamp = {"time": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine_info(),
-             "bandwidth": dev.bandwidth, "bf16_flops": dev.flops["bfloat16"], "tolerance": args.tolerance}
+             "bandwidth": dev.bandwidth, "bf16_flops": dev.flops["bfloat16"], "tolerance": args.tolerance,
+             "calibrate_on": args.calibrate_on, "layer_cost": asdict(cost) if cost else None}
     record = Path(args.record)
     record.parent.mkdir(parents=True, exist_ok=True)
     with record.open("a") as f:
@@ -107,7 +140,7 @@ def run_plan_bench(args: argparse.Namespace) -> int:
     print(f"{'model':<22} {'figure':<22} {'predicted':>14} {'measured':>14} {'error':>8}")
     for r in rows:
         print(f"{r['model']:<22} {r['figure']:<22} {r['predicted']:>14,.1f} {r['measured']:>14,.1f} "
-              f"{r['error']:>+8.1%}{'  DRIFT' if r['drift'] else ''}")
+              f"{r['error']:>+8.1%}{'  DRIFT' if r['drift'] else ''}{'  (fitted here)' if r['fitted_on'] else ''}")
     drifted = [r for r in rows if r["drift"]]
     if drifted:
         print(f"DRIFT: {len(drifted)} of {len(rows)} predictions are off by more than {args.tolerance:.0%} "
@@ -123,5 +156,8 @@ def add_plan_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=16, help="decode steps timed a measurement")
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--tolerance", type=float, default=0.15)
+    p.add_argument("--calibrate-on", default="smollm2-135m",
+                   help="fit each layer's cost outside the matmuls on this model's decode steps ('' for none); "
+                        "its own decode figures are then in sample")
     p.add_argument("--record", default="bench-results/plan/record.jsonl")
     p.set_defaults(func=run_plan_bench)

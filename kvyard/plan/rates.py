@@ -26,6 +26,28 @@ from kvyard.plan.memory import MemoryBreakdown
 LINK_LATENCY_S = 5e-6  # one all-reduce's fixed cost on NVLink-class links
 
 
+@dataclass(frozen=True)
+class LayerCost:
+    """What a layer's step costs outside its matmuls on a measured machine: attention's kernel, norms, rotary,
+    activations, residuals and the Python between them. A fixed part and a part that grows with the rows and
+    the hidden size (elementwise work), fitted on one model's measured steps (`fit_layer_cost`)."""
+
+    fixed_s: float
+    per_row_hidden_s: float
+
+    def at(self, rows: float, hidden: int) -> float:
+        return self.fixed_s + self.per_row_hidden_s * rows * hidden
+
+
+def fit_layer_cost(cfg: ModelConfig, predicted_s: dict[int, float], measured_s: dict[int, float]) -> LayerCost:
+    """The LayerCost that closes the gap between a model's predicted and measured decode steps at two row
+    counts (the fewest and the most given); each part at least 0."""
+    lo, hi = min(measured_s), max(measured_s)
+    rest = {r: max(0.0, measured_s[r] - predicted_s[r]) / cfg.num_layers for r in (lo, hi)}
+    slope = max(0.0, (rest[hi] - rest[lo]) / ((hi - lo) * cfg.hidden_size))
+    return LayerCost(max(0.0, rest[lo] - slope * lo * cfg.hidden_size), slope)
+
+
 @dataclass
 class Rates:
     decode_step_s: float
@@ -40,11 +62,12 @@ def _flops(dev: Device, compute: str) -> float:
 
 def predict(cfg: ModelConfig, params: int, memory: MemoryBreakdown, dev: Device, lo: Layout, batch: int,
             context: int, compute: str = "bfloat16", step_overhead_s: float = 0.0,
-            activation_bytes: int = 2, matmul_s: dict[int, float] | None = None) -> Rates:
+            activation_bytes: int = 2, matmul_s: dict[int, float] | None = None,
+            layer_cost: LayerCost | None = None) -> Rates:
     """Rates of `lo` on `dev` for `batch` sequences at `context` tokens; `params` counts the parameters each
     token computes with (a Mixture of Experts' active ones). `matmul_s` (kvyard.plan.measure.model_matmul_timings,
     rows -> seconds of a forward's matmuls on this machine) replaces the rooflines' matmul terms, split evenly
-    across the ranks."""
+    across the ranks; `layer_cost` adds each layer's calibrated cost outside them to a decode step."""
     peak = _flops(dev, compute)
     ranks = lo.tp * lo.pp
     # The sequences go through the stages as pp micro-batches; each stage step reads the stage's weights once.
@@ -64,6 +87,8 @@ def predict(cfg: ModelConfig, params: int, memory: MemoryBreakdown, dev: Device,
         attention_s = micro * attention / ranks / peak if peak else 0.0
         memory_s = interpolate(matmul_s, micro) / ranks + kv_bytes / dev.bandwidth + attention_s
         compute_s = 0.0
+    if layer_cost:  # a stage's layers, each at its micro-batch's rows
+        memory_s += cfg.num_layers / lo.pp * layer_cost.at(micro, cfg.hidden_size)
     comm_s = 0.0
     if lo.tp > 1 and dev.link:  # two all-reduces of the hidden state a layer (attention's and the MLP's)
         moved = 2 * (lo.tp - 1) / lo.tp * micro * cfg.hidden_size * activation_bytes

@@ -8,7 +8,7 @@ from kvyard.plan.hardware import device
 from kvyard.plan.layouts import layout
 from kvyard.plan.memory import WEIGHT_FORMATS, breakdown
 from kvyard.plan.model_spec import described
-from kvyard.plan.rates import predict, queueing_wait_s
+from kvyard.plan.rates import fit_layer_cost, predict, queueing_wait_s
 
 MODEL = described("params=8e9,layers=32,hidden=4096,heads=32,kv_heads=8,head_dim=128,vocab=128256")
 H100 = device("h100")
@@ -63,3 +63,18 @@ def test_measured_matmul_timings_replace_the_matmul_rooflines():
     expected_step = 0.010 + (0.020 - 0.010) * 15 / 31 + kv_s + 16 * attention / peak
     assert r.decode_step_s == pytest.approx(expected_step)
     assert r.prefill_tok_s == pytest.approx(1 / (0.512 / 2048 + attention / 2 / peak))
+
+
+def test_a_layer_cost_fitted_on_one_model_closes_its_gap_and_scales_with_rows_and_width():
+    cfg = MODEL.config
+    fixed, slope = 50e-6, 20e-12
+    predicted = {1: 0.010, 32: 0.020}
+    measured = {r: s + cfg.num_layers * (fixed + slope * r * cfg.hidden_size) for r, s in predicted.items()}
+    cost = fit_layer_cost(cfg, predicted, measured)
+    assert cost.fixed_s == pytest.approx(fixed) and cost.per_row_hidden_s == pytest.approx(slope)
+    mem = breakdown(cfg, WEIGHT_FORMATS["bfloat16"], 1024, 8, size=MODEL.size)
+    lo = layout(cfg, mem, H100, 1, 1, 0.9)
+    plain = predict(cfg, MODEL.active_params, mem, H100, lo, 8, 1024)
+    with_cost = predict(cfg, MODEL.active_params, mem, H100, lo, 8, 1024, layer_cost=cost)
+    assert with_cost.decode_step_s - plain.decode_step_s == pytest.approx(cfg.num_layers * cost.at(8, cfg.hidden_size))
+    assert fit_layer_cost(cfg, measured, predicted).fixed_s == 0.0  # a model faster than predicted adds nothing
