@@ -105,7 +105,7 @@ class ManagedServer:
         self.log.close()
 
 
-def _wait_port_free(port: int, timeout: float = 30.0) -> None:
+def wait_port_free(port: int, timeout: float = 30.0) -> None:
     # The previous server may still hold the port for a moment after exiting.
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -162,7 +162,7 @@ def run_compare(args: argparse.Namespace) -> int:
         order = names if rnd % 2 == 0 else names[::-1]
         for name in order:
             tag = f"{name.replace('/', '_')}-round{rnd + 1}"
-            _wait_port_free(args.port)
+            wait_port_free(args.port)
             server = ManagedServer(systems[name], args.port, out_dir / f"{tag}.log")
             try:
                 ready = server.wait_ready(args.startup_timeout)

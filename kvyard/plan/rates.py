@@ -6,11 +6,12 @@ on a device is the larger of bytes / bandwidth and FLOPs / peak, the two rooflin
 divides both across ranks and adds two all-reduces of the hidden state a layer, priced at the link's
 bandwidth (a ring moves 2 (tp - 1) / tp of the data) plus a fixed latency each. Pipeline stages hold a
 layer share each and the sequences pass through them as pp micro-batches, so in a memory-bound step every
-micro-batch reads its stage's weights again: stages add room, and spread only the KV reads. A fixed
-cost per step (`step_overhead_s`: scheduling, the sampler, launches) is added as calibrated; 0 for the
-catalogue's devices until they are measured. On a measured CPU (`Device.stream`) the matmuls' time comes
-from the rate the engine's own kernels streamed weights at that many rows, which folds in how well they
-overlap reading and computing; the KV reads and attention are added to it.
+micro-batch reads its stage's weights again: stages add room, and spread only the KV reads. On a measured
+CPU the matmuls' time comes from the model's own matmuls timed at its shapes (`matmul_s`), or else from the
+rate the engine's kernels streamed weights at that many rows (`Device.stream`); either folds in how well they
+overlap reading and computing, and the KV reads and attention are added to it. What a layer costs outside
+its matmuls (`LayerCost`) is fitted on one measured model and added per layer; the catalogue's devices have
+none until they are measured.
 
 Near saturation requests wait: an M/M/1 queue in front of a server that decodes at the predicted rate waits
 ρ / (1 - ρ) service times, where ρ is the offered load over capacity.
@@ -61,8 +62,7 @@ def _flops(dev: Device, compute: str) -> float:
 
 
 def predict(cfg: ModelConfig, params: int, memory: MemoryBreakdown, dev: Device, lo: Layout, batch: int,
-            context: int, compute: str = "bfloat16", step_overhead_s: float = 0.0,
-            activation_bytes: int = 2, matmul_s: dict[int, float] | None = None,
+            context: int, compute: str = "bfloat16", activation_bytes: int = 2, matmul_s: dict[int, float] | None = None,
             layer_cost: LayerCost | None = None) -> Rates:
     """Rates of `lo` on `dev` for `batch` sequences at `context` tokens; `params` counts the parameters each
     token computes with (a Mixture of Experts' active ones). `matmul_s` (kvyard.plan.measure.model_matmul_timings,
@@ -77,24 +77,19 @@ def predict(cfg: ModelConfig, params: int, memory: MemoryBreakdown, dev: Device,
     stage_flops = micro * (2 * params + attention) / ranks
     memory_s = stage_bytes / dev.bandwidth if dev.bandwidth else 0.0
     compute_s = stage_flops / peak if peak else 0.0
-    if dev.stream:  # measured: the matmuls' streaming rate at this many rows, then the KV and attention after
-        kv_bytes = stage_bytes - memory.weights_read / ranks
-        memory_s = memory.weights_read / ranks / interpolate(dev.stream, micro) + kv_bytes / dev.bandwidth
-        compute_s = micro * attention / ranks / peak if peak else 0.0
-        memory_s, compute_s = memory_s + compute_s, 0.0
-    if matmul_s:  # this model's own matmuls timed at its shapes, and the KV reads and attention after
-        kv_bytes = stage_bytes - memory.weights_read / ranks
+    if matmul_s or dev.stream:  # measured: the matmuls' own time at this many rows, then the KV and attention
+        matmuls = interpolate(matmul_s, micro) if matmul_s else memory.weights_read / interpolate(dev.stream, micro)
+        kv_bytes = micro * context * lo.kv_per_token_per_device
         attention_s = micro * attention / ranks / peak if peak else 0.0
-        memory_s = interpolate(matmul_s, micro) / ranks + kv_bytes / dev.bandwidth + attention_s
-        compute_s = 0.0
+        memory_s, compute_s = matmuls / ranks + kv_bytes / dev.bandwidth + attention_s, 0.0
     if layer_cost:  # a stage's layers, each at its micro-batch's rows
         memory_s += cfg.num_layers / lo.pp * layer_cost.at(micro, cfg.hidden_size)
     comm_s = 0.0
     if lo.tp > 1 and dev.link:  # two all-reduces of the hidden state a layer (attention's and the MLP's)
         moved = 2 * (lo.tp - 1) / lo.tp * micro * cfg.hidden_size * activation_bytes
         comm_s = 2 * (moved / dev.link + LINK_LATENCY_S) * cfg.num_layers / lo.pp
-    # A sequence's next token waits for every stage: pp stage steps, and the fixed cost of a step.
-    step = lo.pp * (max(memory_s, compute_s) + comm_s) + step_overhead_s
+    # A sequence's next token waits for every stage: pp stage steps.
+    step = lo.pp * (max(memory_s, compute_s) + comm_s)
     bound = ("communication" if comm_s > max(memory_s, compute_s) else
              "memory" if memory_s >= compute_s else "compute")
     # Prefill is compute-bound; the head runs for the last prompt token only, and attention over half the context.

@@ -18,17 +18,18 @@ import json
 import logging
 import shlex
 import statistics
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvyard.bench.compare_serve import ManagedServer, _wait_port_free
+from kvyard.bench.compare_serve import ManagedServer, wait_port_free
 from kvyard.bench.serve_run import BenchError
 from kvyard.config import EngineConfig
 from kvyard.errors import KvyardError
 from kvyard.plan.goodput import GoodputSearch, goodput_of
 from kvyard.plan.tune_space import Candidate, larger_than_failed
+from kvyard.router.launcher import kvyard_command
+from kvyard.shadow.compare import Budgets
 
 log = logging.getLogger("kvyard.tune")
 OOM_SIGNS = ("out of memory", "memoryerror", "cannot allocate memory", "not enough memory", "oom")
@@ -41,12 +42,11 @@ class TuneOptions:
     repeats: int = 2
     port: int = 8790
     ready_timeout: float = 300.0
-    kl_budget: float = 0.05  # mean KL (nats a token) a candidate that changes numerics may add
-    server_args: list[str] = field(default_factory=list)  # more `kvyard serve` flags for every candidate
+    kl_budget: float = Budgets().kl_mean  # mean KL (nats a token) a candidate that changes numerics may reach
 
 
 class FidelityGate:
-    """KL of a candidate's numerics against the base model in full precision, measured once per numerics."""
+    """KL of a candidate's numerics against the base model in the base's dtype, measured once per numerics."""
 
     def __init__(self, model: str, dtype: str):
         self.model, self.dtype = model, dtype
@@ -134,7 +134,7 @@ class Tuner:
             args = ["up", "--config", str(config), "--router-port", str(port), "--worker-port", str(port + 1)]
         else:
             args = ["serve", "--config", str(config), "--port", str(port)]
-        return shlex.join([sys.executable, "-m", "kvyard.cli.main", *args, *self.opts.server_args])
+        return shlex.join(kvyard_command(*args))
 
     def run_once(self, c: Candidate, repeat: int) -> dict[str, Any]:
         """One start of the deployment and one goodput search on it; {"error": ...} when it cannot serve."""
@@ -143,12 +143,11 @@ class Tuner:
         config.write_text(c.deployment_yaml())
         log_path = self.opts.out / "logs" / f"{c.key}-{repeat}.log"
         log_path.parent.mkdir(exist_ok=True)
-        _wait_port_free(self.opts.port)
+        wait_port_free(self.opts.port)
         server = ManagedServer(self.command(c, config), self.opts.port, log_path)
         try:
             server.wait_ready(self.opts.ready_timeout)
-            self.opts.search.url = server.url
-            probes = self.opts.search.run(seed=repeat)
+            probes = replace(self.opts.search, url=server.url).run(seed=repeat)
             if server.proc.poll() is not None:
                 raise BenchError(f"the server exited with status {server.proc.returncode} during the search")
         except BenchError as e:

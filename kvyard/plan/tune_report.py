@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import yaml
+from kvyard.plan.tune_space import deployment_yaml
 
 
 def points(rows: list[dict[str, Any]]) -> list[tuple[float, float, str]]:
@@ -28,8 +28,7 @@ def pareto_front(pts: list[tuple[float, float, str]]) -> list[tuple[float, float
 def write_deployment(best: dict[str, Any], path: Path) -> None:
     head = (f"# kvyard tune: the best of the candidates measured ({best['label']}), goodput "
             f"{best['goodput_rps']:.2f} req/s\n")
-    body = {s: v for s, v in best["settings"].items() if v}
-    path.write_text(head + yaml.safe_dump(body, sort_keys=False))
+    path.write_text(head + deployment_yaml(best["settings"]))
 
 
 def _table_row(r: dict[str, Any], base_goodput: float) -> str:

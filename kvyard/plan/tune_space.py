@@ -69,7 +69,12 @@ class Candidate:
         return self.settings.get(section, {}).get(name, _default(section, name))
 
     def deployment_yaml(self) -> str:
-        return yaml.safe_dump({s: body for s, body in self.settings.items() if body}, sort_keys=False)
+        return deployment_yaml(self.settings)
+
+
+def deployment_yaml(settings: dict[str, dict[str, Any]]) -> str:
+    """A deployment file of these sections (the empty ones left out), as `kvyard serve/up --config` reads it."""
+    return yaml.safe_dump({s: body for s, body in settings.items() if body}, sort_keys=False)
 
 
 def _default(section: str, name: str) -> Any:
