@@ -6,7 +6,7 @@ batch 1 and 32 and prefill tok/s predicted on this machine's measured bandwidth 
 (kvyard.plan.measure) against kvyard's own engine. Each layer's cost outside its matmuls is fitted on one
 model (--calibrate-on, SmolLM2 by default) and used for the others, whose figures stay out of sample. Each run
 appends its rows to the record (JSON lines); any figure off by more than --tolerance is printed as DRIFT and the
-command exits 1.
+command exits 1. A PNG shows every figure's error against the tolerance band.
 """
 
 import argparse
@@ -26,7 +26,7 @@ from kvyard.llm import LLM
 from kvyard.models.linear import packed_copies
 from kvyard.plan.hardware import Device
 from kvyard.plan.layouts import layout
-from kvyard.plan.measure import measured_this_machine, model_matmul_timings
+from kvyard.plan.measure import measured_this_machine, model_matmul_timings, model_prefill_seconds, timeable
 from kvyard.plan.memory import WEIGHT_FORMATS, breakdown
 from kvyard.plan.model_spec import from_source
 from kvyard.plan.rates import LayerCost, fit_layer_cost, predict
@@ -64,23 +64,25 @@ def prefill_rate(llm: LLM, prompts: int, length: int, repeats: int = 3) -> float
 
 
 @functools.cache  # timed once a model: the calibration's fit and the prediction see the same timings
-def _matmul_timings(name: str, batch: int, prefill_rows: int) -> dict[int, float]:
-    return model_matmul_timings(from_source(name).config, (1, batch, prefill_rows),
-                                head_rows={prefill_rows: PREFILL_PROMPTS})
+def _timings(name: str, batch: int, prefill_len: int) -> tuple[dict[int, float], dict[int, float]]:
+    """The model's decode matmuls at batch 1 and `batch`, and its prefill step of PREFILL_PROMPTS prompts."""
+    cfg = from_source(name).config
+    return (model_matmul_timings(cfg, (1, batch)),
+            {PREFILL_PROMPTS * prefill_len: model_prefill_seconds(cfg, PREFILL_PROMPTS, prefill_len)})
 
 
 def predicted(name: str, dev: Device, copies: int, args: argparse.Namespace,
               layer_cost: LayerCost | None = None) -> dict[str, float]:
     model = from_source(name)
     cfg = model.config
-    prefill_rows = PREFILL_PROMPTS * args.prefill_len  # one step: the offline token budget holds them all
-    timings = None if cfg.num_experts or cfg.kv_lora_rank else _matmul_timings(name, args.batch, prefill_rows)
+    # the prefill is one step: the offline token budget holds every prompt
+    timings, prefill_s = _timings(name, args.batch, args.prefill_len) if timeable(cfg) else (None, None)
     out: dict[str, float] = {}
     for batch in (1, args.batch):
         mem = breakdown(cfg, WEIGHT_FORMATS["bfloat16"], args.input_len, batch, size=model.size, packed_copies=copies)
         lo = layout(cfg, mem, dev, 1, 1, 0.9)
         rates = predict(cfg, model.active_params, mem, dev, lo, batch, args.input_len, matmul_s=timings,
-                        layer_cost=layer_cost)
+                        layer_cost=layer_cost, prefill_s=prefill_s)
         out[f"decode_tok_s_batch_{batch}"] = rates.decode_tok_s
     out["prefill_tok_s"] = rates.prefill_tok_s
     out["weight_bytes"] = mem.weights
@@ -102,6 +104,31 @@ def calibrated_layer_cost(name: str, dev: Device, copies: int, seen: dict[str, f
     steps = {b: (b / raw[f"decode_tok_s_batch_{b}"], b / seen[f"decode_tok_s_batch_{b}"]) for b in (1, args.batch)}
     return fit_layer_cost(from_source(name).config, {b: p for b, (p, _) in steps.items()},
                           {b: m for b, (_, m) in steps.items()})
+
+
+def plot_errors(rows: list[dict[str, Any]], tolerance: float, path: Path) -> None:
+    """Bars of each figure's error (predicted / measured - 1), grouped by model, over the tolerance band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(rows) + 2), 4.5))
+    errors = [100 * r["error"] for r in rows]
+    colours = ["tab:red" if r["drift"] else "tab:grey" if r["fitted_on"] else "tab:blue" for r in rows]
+    bars = ax.bar(range(len(rows)), errors, color=colours)
+    ax.bar_label(bars, [f"{e:+.1f}%" for e in errors], fontsize=7)
+    ax.axhspan(-100 * tolerance, 100 * tolerance, color="tab:green", alpha=0.12,
+               label=f"within {tolerance:.0%}")
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(rows)), [f"{r['model']}\n{r['figure'].replace('_tok_s', '').replace('_', ' ')}"
+                                     for r in rows], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("predicted / measured - 1 (%)")
+    ax.set_title("kvyard plan against the engine on this machine (grey: the calibration's own fit)")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def run_plan_bench(args: argparse.Namespace) -> int:
@@ -137,6 +164,7 @@ def run_plan_bench(args: argparse.Namespace) -> int:
     with record.open("a") as f:
         for row in rows:
             f.write(json.dumps({**stamp, **row}) + "\n")
+    plot_errors(rows, args.tolerance, Path(args.plot) if args.plot else record.parent / "errors.png")
     print(f"{'model':<22} {'figure':<22} {'predicted':>14} {'measured':>14} {'error':>8}")
     for r in rows:
         print(f"{r['model']:<22} {r['figure']:<22} {r['predicted']:>14,.1f} {r['measured']:>14,.1f} "
@@ -160,4 +188,5 @@ def add_plan_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="fit each layer's cost outside the matmuls on this model's decode steps ('' for none); "
                         "its own decode figures are then in sample")
     p.add_argument("--record", default="bench-results/plan/record.jsonl")
+    p.add_argument("--plot", help="where the PNG of the errors goes (default: errors.png beside the record)")
     p.set_defaults(func=run_plan_bench)

@@ -22,24 +22,34 @@ from kvyard.plan.rates import predict
 GB = 1e9
 
 
-def _measured(args: argparse.Namespace, cfg: ModelConfig, weights: str) -> tuple[Device, dict[int, float] | None]:
-    """This machine's rates measured now (about half a minute), and the model's own matmuls timed at its shapes
-    where the engine runs them as dense bf16 layers (not a Mixture of Experts or a latent cache)."""
-    from kvyard.plan.measure import measured_this_machine, model_matmul_timings
+def _measured(args: argparse.Namespace, cfg: ModelConfig, weights: str
+              ) -> tuple[Device, dict[int, float] | None, dict[int, float] | None]:
+    """This machine's rates measured now (about half a minute), and where the engine runs the model as dense bf16
+    layers, its matmuls timed at its decode shapes and its layers over a prefill step of the token budget."""
+    from kvyard.plan.measure import (
+        measured_this_machine,
+        model_matmul_timings,
+        model_prefill_seconds,
+        timeable,
+    )
 
     if args.hardware != "this":
         raise ConfigError("--measure measures this machine: use it with --hardware this", param="measure")
-    dense = weights == "bfloat16" and not cfg.num_experts and not cfg.kv_lora_rank
-    rows = (1, args.concurrency, args.max_num_batched_tokens)
-    return measured_this_machine(), model_matmul_timings(cfg, rows, {args.max_num_batched_tokens: 1}) if dense else None
+    dev = measured_this_machine()
+    if weights != "bfloat16" or not timeable(cfg):
+        return dev, None, None
+    length = min(args.context, args.max_num_batched_tokens)  # prompts as long as the context, a step's worth
+    prompts = max(1, args.max_num_batched_tokens // length)
+    return (dev, model_matmul_timings(cfg, (1, args.concurrency)),
+            {prompts * length: model_prefill_seconds(cfg, prompts, length)})
 
 
 def run_plan(args: argparse.Namespace) -> int:
     fmt, dev = weight_format(args.weights), device(args.hardware)
     model = planned_model(args.model, args.describe)
-    timings = None
+    timings = prefill_s = None
     if args.measure:
-        dev, timings = _measured(args, model.config, fmt.name)
+        dev, timings, prefill_s = _measured(args, model.config, fmt.name)
     # On this machine the engine's own packing decides how many copies of the dense weights it holds.
     copies = packed_copies(args.max_num_batched_tokens, DTYPES[args.dtype]) if dev.name == "this" else 0
     mem = breakdown(model.config, fmt, args.context, args.concurrency, args.kv_dtype, args.dtype,
@@ -48,7 +58,7 @@ def run_plan(args: argparse.Namespace) -> int:
     need = [lo for lo in fits if lo.kv_tokens >= args.context * args.concurrency]
     rates = {(lo.tp, lo.pp): {f"batch_{b}": asdict(predict(model.config, model.active_params, mem, dev, lo, b,
                                                           args.context, args.weights_compute,
-                                                          matmul_s=timings))
+                                                          matmul_s=timings, prefill_s=prefill_s))
                               for b in (1, args.concurrency)} for lo in fits[:args.top]} if dev.bandwidth else {}
     if rates:  # the layouts that hold the target KV, fastest at the target concurrency first
         def speed(lo: Layout) -> float:

@@ -8,7 +8,11 @@
 - a model's own matmuls (`model_matmul_timings`): each dense layer's fused qkv, o, gate|up and down and the
   LM head, at the rows a step carries, the weights packed as the engine packs them and enough layers that no
   pass finds them in the caches. Small GEMMs run well below the 2,048-row peak and stream below the 2,048-wide
-  rate, so a model's shapes, not a square's, are what its steps take (the operator profiles Vidur composes).
+  rate, so a model's shapes, not a square's, are what its steps take (the operator profiles Vidur composes);
+- a model's prefill (`model_prefill_seconds`): the engine's own decoder layers, random weights, run over one
+  step of whole prompts and scaled to the model's layers, plus the head. A prefill layer spends a good part of
+  its time outside the matmuls (attention grows with the prompt squared; norms, rotary and KV writes with its
+  rows), which a decode step's fit does not carry over to.
 Each figure is the best of its repeats: a VM's stalls slow single runs, never speed them up.
 """
 
@@ -18,7 +22,11 @@ from typing import Any
 
 import torch
 
+from kvyard.models.attention import AttentionMetadata, PrefillSpan
+from kvyard.models.build import build_model
 from kvyard.models.config import ModelConfig
+from kvyard.models.decoder import rms_norm
+from kvyard.models.kv_layer import LayerKV
 from kvyard.models.linear import linear, pack_weight
 from kvyard.plan.hardware import Device, this_machine
 
@@ -84,11 +92,10 @@ def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
             (h, cfg.intermediate_size, False)]
 
 
-def model_matmul_timings(cfg: ModelConfig, rows: tuple[int, ...], head_rows: dict[int, int] | None = None,
-                         total_bytes: int = BUFFER_BYTES // 2) -> dict[int, float]:
-    """rows -> seconds of one forward's matmuls at that many rows: every layer's (timed over enough packed
-    copies of a layer to overrun the caches, at most the model's own layers) and the head's at `head_rows[rows]`
-    rows (default: all of them; a prefill computes logits for its sequences' last tokens only)."""
+def model_matmul_timings(cfg: ModelConfig, rows: tuple[int, ...], total_bytes: int = BUFFER_BYTES // 2
+                         ) -> dict[int, float]:
+    """rows -> seconds of one decode step's matmuls at that many rows: every layer's (timed over enough packed
+    copies of a layer to overrun the caches, at most the model's own layers) and the head's."""
     shapes = layer_shapes(cfg)
     layer_bytes = sum(o * i * 2 for o, i, _ in shapes)
     copies = max(1, min(cfg.num_layers, total_bytes // layer_bytes))
@@ -99,6 +106,55 @@ def model_matmul_timings(cfg: ModelConfig, rows: tuple[int, ...], head_rows: dic
     for r in rows:
         xs = {i: torch.randn(r, i).to(torch.bfloat16) for _, i, _ in shapes}
         layer_calls = [(xs[i], w) for layer in layers for w, (_, i, _) in zip(layer, shapes, strict=True)]
-        head_call = [(torch.randn((head_rows or {}).get(r, r), cfg.hidden_size).to(torch.bfloat16), head)]
+        head_call = [(torch.randn(r, cfg.hidden_size).to(torch.bfloat16), head)]
         out[r] = _calls_seconds(layer_calls) / copies * cfg.num_layers + _calls_seconds(head_call)
     return out
+
+
+def timeable(cfg: ModelConfig) -> bool:
+    """Whether the engine runs `cfg` as the dense llama-family layers these timings build (not a Mixture of
+    Experts, a latent KV cache or Gemma's layers)."""
+    return not (cfg.num_experts or cfg.kv_lora_rank or cfg.model_type == "gemma3_text")
+
+
+def dense_layer_tensors(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Random bf16 weights under a dense llama-family checkpoint's names, for `cfg`'s layers, embedding and head."""
+    h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        shapes |= {a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h), a + "v_proj.weight": (kv, h),
+                   a + "o_proj.weight": (h, q), p + "mlp.gate_proj.weight": (inter, h),
+                   p + "mlp.up_proj.weight": (inter, h), p + "mlp.down_proj.weight": (h, inter),
+                   p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        if cfg.attention_bias:
+            shapes |= {a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)}
+        if cfg.qk_norm:
+            shapes |= {a + "q_norm.weight": (cfg.head_dim,), a + "k_norm.weight": (cfg.head_dim,)}
+    # Small weights keep the residual stream finite over the timed repeats.
+    return {name: (torch.randn(shape) * 0.02).to(torch.bfloat16) for name, shape in shapes.items()}
+
+
+def model_prefill_seconds(cfg: ModelConfig, prompts: int, length: int, total_bytes: int = BUFFER_BYTES // 2) -> float:
+    """Seconds of one prefill step of `prompts` prompts of `length` tokens: the engine's own dense decoder layers
+    (enough random-weight copies to overrun the caches, at most the model's own layers) run over the step and
+    scaled to the model's layers, plus the head over each prompt's last token."""
+    rows = prompts * length
+    copies = max(1, min(cfg.num_layers, total_bytes // sum(o * i * 2 for o, i, _ in layer_shapes(cfg))))
+    small = replace(cfg, num_layers=copies)
+    cpu = torch.device("cpu")
+    model = build_model(small, torch.bfloat16, cpu, length, max_rows=rows)
+    model.load(dense_layer_tensors(small).items(), "random weights")
+    caches = [LayerKV.allocate(rows, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, cpu) for _ in range(copies)]
+    meta = AttentionMetadata(torch.arange(rows), prefills=[PrefillSpan(i * length, (i + 1) * length, None, None)
+                                                           for i in range(prompts)])
+    positions = torch.arange(length).repeat(prompts)
+    x = torch.randn(rows, cfg.hidden_size).to(torch.bfloat16)
+    last = torch.arange(length - 1, rows, length)
+    with torch.inference_mode():
+        layers_s = _best_seconds(lambda: model.run_layers(x.clone(), positions, meta, caches), repeats=3)
+        head_s = _best_seconds(lambda: model.logits(rms_norm(x[last], model.final_norm, cfg.rms_norm_eps)))
+    return layers_s / copies * cfg.num_layers + head_s

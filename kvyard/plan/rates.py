@@ -11,7 +11,8 @@ CPU the matmuls' time comes from the model's own matmuls timed at its shapes (`m
 rate the engine's kernels streamed weights at that many rows (`Device.stream`); either folds in how well they
 overlap reading and computing, and the KV reads and attention are added to it. What a layer costs outside
 its matmuls (`LayerCost`) is fitted on one measured model and added per layer; the catalogue's devices have
-none until they are measured.
+none until they are measured. A measured prefill step (`prefill_s`) is the engine's own layers timed over a
+step of prompts, since a prefill layer's attention and elementwise work do not follow a decode step's fit.
 
 Near saturation requests wait: an M/M/1 queue in front of a server that decodes at the predicted rate waits
 ρ / (1 - ρ) service times, where ρ is the offered load over capacity.
@@ -63,11 +64,13 @@ def _flops(dev: Device, compute: str) -> float:
 
 def predict(cfg: ModelConfig, params: int, memory: MemoryBreakdown, dev: Device, lo: Layout, batch: int,
             context: int, compute: str = "bfloat16", activation_bytes: int = 2, matmul_s: dict[int, float] | None = None,
-            layer_cost: LayerCost | None = None) -> Rates:
+            layer_cost: LayerCost | None = None, prefill_s: dict[int, float] | None = None) -> Rates:
     """Rates of `lo` on `dev` for `batch` sequences at `context` tokens; `params` counts the parameters each
     token computes with (a Mixture of Experts' active ones). `matmul_s` (kvyard.plan.measure.model_matmul_timings,
     rows -> seconds of a forward's matmuls on this machine) replaces the rooflines' matmul terms, split evenly
-    across the ranks; `layer_cost` adds each layer's calibrated cost outside them to a decode step."""
+    across the ranks; `layer_cost` adds each layer's calibrated cost outside them to a decode step. `prefill_s`
+    (kvyard.plan.measure.model_prefill_seconds, prompt rows -> seconds of that prefill step on this machine)
+    replaces the prefill roofline, split evenly across the ranks."""
     peak = _flops(dev, compute)
     ranks = lo.tp * lo.pp
     # The sequences go through the stages as pp micro-batches; each stage step reads the stage's weights once.
@@ -95,9 +98,9 @@ def predict(cfg: ModelConfig, params: int, memory: MemoryBreakdown, dev: Device,
     # Prefill is compute-bound; the head runs for the last prompt token only, and attention over half the context.
     per_token = 2 * (params - cfg.vocab_size * cfg.hidden_size) + attention / 2
     prefill = peak * ranks / per_token if peak else 0.0
-    if matmul_s and peak:
-        rows = max(matmul_s)
-        prefill = ranks / (matmul_s[rows] / rows + attention / 2 / peak)
+    if prefill_s:
+        rows = max(prefill_s)
+        prefill = ranks * rows / prefill_s[rows]
     return Rates(step, batch / step if step else 0.0, prefill, bound)
 
 

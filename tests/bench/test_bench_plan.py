@@ -19,5 +19,6 @@ def test_the_plan_bench_records_and_fails_on_drift(tiny_checkpoint, tmp_path, ca
                                           "prefill_tok_s"}
     assert all(r["predicted"] > 0 and r["measured"] > 0 and r["tolerance"] == 0 for r in rows)
     assert not any(r["fitted_on"] for r in rows) and all(r["layer_cost"]["fixed_s"] >= 0 for r in rows)
+    assert (tmp_path / "errors.png").read_bytes().startswith(b"\x89PNG")
     assert main([*argv, "--tolerance", "1000"]) == 0
     assert len(record.read_text().splitlines()) == 2 * len(rows)  # appended, not replaced

@@ -51,18 +51,19 @@ def test_queueing_grows_without_bound_near_saturation():
 
 def test_measured_matmul_timings_replace_the_matmul_rooflines():
     """With this model's matmuls timed at its shapes, a decode step is their time at its rows (interpolated)
-    plus the KV reads and attention; prefill is the per-token time at the largest measured rows."""
-    context, timings = 1024, {1: 0.010, 32: 0.020, 2048: 0.512}
+    plus the KV reads and attention; a measured prefill step gives prefill its rows over its seconds."""
+    context, timings = 1024, {1: 0.010, 32: 0.020}
     mem = breakdown(MODEL.config, WEIGHT_FORMATS["bfloat16"], context, 16, size=MODEL.size)
     lo = layout(MODEL.config, mem, H100, 1, 1, 0.9)
-    r = predict(MODEL.config, MODEL.active_params, mem, H100, lo, 16, context, matmul_s=timings)
+    r = predict(MODEL.config, MODEL.active_params, mem, H100, lo, 16, context, matmul_s=timings,
+                prefill_s={2048: 0.512})
     cfg = MODEL.config
     attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
     peak = H100.flops["bfloat16"]
     kv_s = 16 * context * lo.kv_per_token_per_device / H100.bandwidth
     expected_step = 0.010 + (0.020 - 0.010) * 15 / 31 + kv_s + 16 * attention / peak
     assert r.decode_step_s == pytest.approx(expected_step)
-    assert r.prefill_tok_s == pytest.approx(1 / (0.512 / 2048 + attention / 2 / peak))
+    assert r.prefill_tok_s == pytest.approx(2048 / 0.512)
 
 
 def test_a_layer_cost_fitted_on_one_model_closes_its_gap_and_scales_with_rows_and_width():
