@@ -12,7 +12,6 @@ rows share one draw.
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvyard.engine.request import Request
 from kvyard.outputs import TokenLogprob
@@ -25,17 +24,23 @@ def fast_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax (first index on ties) in two passes of vectorised max.
 
     torch's CPU argmax over a 50k-150k vocabulary runs one scalar loop per row (about 2 ms for 32
-    rows); a max over chunks, then an argmax inside the winning chunk, gives the same index.
+    rows); a max over chunks, then an argmax inside the winning chunk, gives the same index. The columns past
+    the last whole chunk are compared on their own, not padded: a padded copy of 32 rows of Qwen's 151,936
+    logits took 5 ms on one thread.
     """
     rows, vocab = logits.shape
-    if logits.device.type != "cpu" or vocab <= _ARGMAX_CHUNK or rows == 0:
+    if logits.device.type != "cpu" or vocab <= _ARGMAX_CHUNK or rows == 0 or logits.stride(-1) != 1:
         return logits.argmax(-1)
-    pad = -vocab % _ARGMAX_CHUNK
-    padded = F.pad(logits, (0, pad), value=float("-inf")) if pad else logits
-    chunks = padded.view(rows, -1, _ARGMAX_CHUNK)
-    best_chunk = chunks.amax(-1).argmax(-1)
-    inside = chunks[torch.arange(rows), best_chunk].argmax(-1)
-    return best_chunk * _ARGMAX_CHUNK + inside
+    whole = vocab - vocab % _ARGMAX_CHUNK
+    chunks = logits[:, :whole].unflatten(-1, (-1, _ARGMAX_CHUNK))  # a view: the last dimension is dense
+    chunk_max = chunks.amax(-1)
+    best_chunk = chunk_max.argmax(-1)
+    index = best_chunk * _ARGMAX_CHUNK + chunks[torch.arange(rows), best_chunk].argmax(-1)
+    if whole == vocab:
+        return index
+    tail_max, tail_index = logits[:, whole:].max(-1)
+    best = chunk_max.gather(1, best_chunk.unsqueeze(1)).squeeze(1)
+    return torch.where(tail_max > best, tail_index + whole, index)  # a tie goes to the earlier chunk
 
 
 @dataclass

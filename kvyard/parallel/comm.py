@@ -11,6 +11,7 @@ import logging
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from kvyard.errors import ConfigError
 
@@ -47,6 +48,12 @@ class GlooGroup:
         self.gathers += 1
         self.bytes_gathered += t.numel() * t.element_size()
         return shares
+
+    def all_gather_columns(self, t: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """Every rank's [rows, widths[rank]] tensor side by side, in rank order: [rows, sum(widths)]."""
+        widest = max(widths)
+        padded = F.pad(t, (0, widest - t.shape[-1])) if t.shape[-1] < widest else t
+        return torch.cat([s[:, :w] for s, w in zip(self.all_gather(padded), widths, strict=True)], dim=-1)
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -102,8 +102,30 @@ class SharedMemoryGroup(GlooGroup):
         self.bytes_gathered += t.numel() * t.element_size()
         return [s.view_as(t) for s in shares]
 
-    def _exchange(self, chunk: torch.Tensor) -> list[torch.Tensor]:
-        """Publish this rank's chunk; return every rank's, in rank order, as views of the segment."""
+    def all_gather_columns(self, t: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """Every rank's [rows, widths[rank]] tensor side by side, in rank order: [rows, sum(widths)], copied
+        straight from the segment into place, as many whole rows a collective as a slot holds (no padded
+        shares, no separate concatenation: for 32 rows of a 151,936-token vocabulary those copies cost
+        milliseconds a step)."""
+        rows_a_slot = self.slot_bytes // (max(widths) * t.element_size())
+        if rows_a_slot == 0:  # a row larger than a slot: gather in element chunks, then place the shares
+            return super().all_gather_columns(t, widths)
+        rows = t.shape[0]
+        out = t.new_empty(rows, sum(widths))
+        starts = [sum(widths[:r]) for r in range(self.size)]
+        for first in range(0, rows, rows_a_slot):
+            last = min(rows, first + rows_a_slot)
+            views = self._exchange(t[first:last].contiguous().view(-1), [(last - first) * w for w in widths])
+            for view, start, w in zip(views, starts, widths, strict=True):
+                out[first:last, start : start + w].copy_(view.view(last - first, w))
+            self._finish()
+        self.gathers += 1
+        self.bytes_gathered += t.numel() * t.element_size()
+        return out
+
+    def _exchange(self, chunk: torch.Tensor, numels: list[int] | None = None) -> list[torch.Tensor]:
+        """Publish this rank's chunk; return every rank's (`numels[r]` elements, default as many as this
+        rank's), in rank order, as views of the segment."""
         self._seq += 1
         seq, buf = self._seq, self._seq % 2
         self._wait(_DONE, seq - 2)  # every rank is done reading this buffer's last collective
@@ -111,7 +133,8 @@ class SharedMemoryGroup(GlooGroup):
         self._slots[buf, self.rank, :nbytes].view(chunk.dtype).copy_(chunk)
         self._header[self.rank, _WRITTEN] = seq
         self._wait(_WRITTEN, seq)
-        return [self._slots[buf, r, :nbytes].view(chunk.dtype) for r in range(self.size)]
+        counts = numels or [chunk.numel()] * self.size
+        return [self._slots[buf, r, : n * chunk.element_size()].view(chunk.dtype) for r, n in enumerate(counts)]
 
     def _finish(self) -> None:
         self._header[self.rank, _DONE] = self._seq

@@ -60,6 +60,10 @@ class Collective(Protocol):
         """Every rank's `t` (the same shape on each), in rank order, on every rank."""
         ...
 
+    def all_gather_columns(self, t: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """Every rank's [rows, widths[rank]] tensor side by side, in rank order, on every rank."""
+        ...
+
 
 def valid_tensor_parallel_sizes(cfg: ModelConfig, experts: bool = False, most: int = 64) -> list[int]:
     return [n for n in range(1, most + 1) if _divides(cfg, n, experts)]
@@ -196,7 +200,6 @@ class TensorParallelDecoder(DecoderModel):
         self.vocab_range = vocab_range(cfg.vocab_size, group.rank, group.size)
         self.vocab_shares = [stop - start for start, stop in
                              (vocab_range(cfg.vocab_size, r, group.size) for r in range(group.size))]
-        self.vocab_share = self.vocab_shares[0]  # the largest: every rank's logits are padded to it to gather
         start, stop = self.vocab_range
         experts = expert_placement is not None
         share = replace(local_config(cfg, group.size, experts), vocab_size=stop - start)
@@ -222,11 +225,8 @@ class TensorParallelDecoder(DecoderModel):
         return self.group.all_reduce_(rows.mul_(mine.unsqueeze(-1).to(rows.dtype)))
 
     def logits(self, last: torch.Tensor) -> torch.Tensor:
-        mine = super().logits(last)
-        pad = self.vocab_share - mine.shape[-1]
         # Gathered on every rank: ranks launched from outside each sample, as rank 0 does
-        shares = self.group.all_gather(F.pad(mine, (0, pad)) if pad else mine)
-        return torch.cat([s[:, :rows] for s, rows in zip(shares, self.vocab_shares, strict=True)], dim=-1)
+        return self.group.all_gather_columns(super().logits(last), self.vocab_shares)
 
     def _attention(self, h: torch.Tensor, layer: LayerWeights, cache: LayerKV, *args: object) -> torch.Tensor:
         return self.group.all_reduce_(super()._attention(h, layer, cache, *args))  # type: ignore[arg-type]

@@ -97,8 +97,13 @@ def test_fast_argmax_equals_torch_argmax_including_ties():
     logits = torch.randn(16, 49_153, generator=g)
     logits[3, 100] = logits[3, 40_000] = 99.0  # a tie across chunks: the first index wins
     logits[5, 1023] = logits[5, 1024] = 99.0  # a tie across a chunk boundary
-    logits[7, -1] = 99.0  # the padded last chunk
+    logits[7, -1] = 99.0  # the columns past the last whole chunk
+    logits[9, 5] = logits[9, -1] = 99.0  # a tie between a chunk and those columns
+    logits[11, -2] = 99.0
+    logits[11, -1] = 99.0
     assert torch.equal(fast_argmax(logits), logits.argmax(-1))
+    assert torch.equal(fast_argmax(logits[:, :4096]), logits[:, :4096].argmax(-1))  # whole chunks, rows strided
+    assert torch.equal(fast_argmax(logits[:, 1:]), logits[:, 1:].argmax(-1))
 
 
 def _sorted_reference(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from tests.parallel.spawn import spawn_ranks
 
 WAIT_S = 120
+WIDTHS = [21, 20, 19]  # each rank's share of the gathered columns
 
 
 def _rank(rank: int, size: int, port: int, slot_bytes: int, scenario: str, results: "multiprocessing.Queue") -> None:
@@ -31,7 +32,12 @@ def _rank(rank: int, size: int, port: int, slot_bytes: int, scenario: str, resul
             # Rank r's values differ from every other rank's, and the tensor spans several slots
             t = (torch.arange(1000, dtype=torch.float32) * (rank + 1) / 7).to(dtype).view(10, 100)
             out[str(dtype)] = {"sum": group.all_reduce_(t.clone()).float().tolist(),
-                               "gather": [s.float().tolist() for s in group.all_gather(t[:3])]}
+                               "gather": [s.float().tolist() for s in group.all_gather(t[:3])],
+                               # unequal widths, a few whole rows a slot (or, in fp32 at 100 wide, a row
+                               # larger than a slot)
+                               "columns": group.all_gather_columns(t[:, :WIDTHS[rank]].clone(),
+                                                                   WIDTHS[:size]).float().tolist(),
+                               "wide": group.all_gather_columns(t.clone(), [100] * size).float().tolist()}
         results.put((rank, out))
         group.close()
     except BaseException as e:
@@ -56,6 +62,9 @@ def test_sums_and_gathers_match_the_plain_ones_in_chunks(size):
             assert ours["sum"] == got[0][str(dtype)]["sum"]  # the same bits on every rank
             for gathered, share in zip(ours["gather"], shares, strict=True):
                 assert torch.equal(torch.tensor(gathered), share[:3].float())
+            side_by_side = torch.cat([s[:, :w] for s, w in zip(shares, WIDTHS, strict=False)], dim=-1)
+            assert torch.equal(torch.tensor(ours["columns"]), side_by_side.float())
+            assert torch.equal(torch.tensor(ours["wide"]), torch.cat(shares, dim=-1).float())
 
 
 def test_a_peer_that_is_gone_ends_the_collective_with_an_error():
