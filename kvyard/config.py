@@ -5,7 +5,7 @@ import dataclasses
 import re
 import types
 import typing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -111,6 +111,9 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # the most drafts per request and step (k_max)
     speculative_adaptive: bool = True  # adapt k per request to its acceptance
     speculative_max_batch: int = 8  # no speculation in a step where more requests decode than this
+    # LoRA adapters served beside the base model (kvyard/lora/): name -> a PEFT adapter directory; a request names
+    # one as its model
+    lora_adapters: dict[str, str] = field(default_factory=dict)
     ngram_min: int = 1  # prompt lookup matches the last n tokens, n from ngram_max down to ngram_min
     ngram_max: int = 4
 

@@ -36,16 +36,19 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora: str | None | Sequence[str | None] = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched; results come back in prompt order."""
+        """Run every prompt to completion, batched; results come back in prompt order. `lora` names the LoRA
+        adapter each prompt runs with (one name for all, or one per prompt; None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         # n > 1 becomes n requests; each gets its own seed so seeded samples still differ.
+        adapters = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
         groups: list[list[str]] = []
-        for prompt, p in zip(prompts, params_list, strict=True):
+        for prompt, p, adapter in zip(prompts, params_list, adapters, strict=True):
             copies = [replace(p, n=1, seed=None if p.seed is None else p.seed + i) for i in range(p.n)]
-            groups.append([self.engine.add_request(prompt, c) for c in copies])
+            groups.append([self.engine.add_request(prompt, c, lora=adapter) for c in copies])
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=sum(len(g) for g in groups), disable=not use_tqdm, desc="generate")
         while self.engine.has_unfinished_requests():

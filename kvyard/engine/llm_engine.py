@@ -33,7 +33,10 @@ from kvyard.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.loader.checkpoint import Checkpoint, load_checkpoint
 from kvyard.loader.registry import resolve_model
+from kvyard.lora.adapter import LORA_FAMILIES, LoraAdapter
+from kvyard.lora.stack import LoraRegistry
 from kvyard.models.build import build_model
+from kvyard.models.decoder import DecoderModel
 from kvyard.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvyard.parallel.affinity import bind_replica_process, cpus_for_children, replica_cpus
 from kvyard.parallel.comm import current_group
@@ -137,6 +140,7 @@ class LLMEngine:
         else:
             model = TensorParallelDecoder(ckpt.config, group, cfg.dtype, device, **sizes, expert_placement=placement)
         model.load(self._weights(ckpt), str(path))
+        self.lora = self._lora_adapters(model)
         if cfg.kv_cache_dtype == "int8":
             smooth_keys(model, self.tokenizer, max_len=min(256, self.max_model_len))
         self.blocks = self._block_pools(num_blocks, window_blocks)
@@ -196,6 +200,25 @@ class LLMEngine:
                               f"{group.size if group else 0} ranks", param="tensor_parallel_size")
         return group
 
+    def _lora_adapters(self, model: DecoderModel) -> LoraRegistry | None:
+        """The LoRA adapters this engine serves (EngineConfig.lora_adapters), loaded into `model`'s layers."""
+        if not self.cfg.lora_adapters:
+            return None
+        cfg = self.model_config
+        if cfg.num_experts or cfg.kv_lora_rank or cfg.model_type not in LORA_FAMILIES:
+            raise ConfigError(f"LoRA adapters work with dense {', '.join(LORA_FAMILIES)} models, not "
+                              f"{cfg.model_type}{' with experts' if cfg.num_experts else ''}", param="lora_adapters")
+        registry = LoraRegistry(model)
+        for name, adapter_path in self.cfg.lora_adapters.items():
+            registry.load(name, adapter_path)
+        model.adapters = registry
+        return registry
+
+    def _adapter(self, name: str) -> LoraAdapter:
+        if self.lora is None:
+            raise InvalidRequestError(f"unknown LoRA adapter {name!r}: this engine serves none", param="model")
+        return self.lora.adapter(name)
+
     def _refuse_with_parallelism(self, model: "ModelConfig") -> None:
         cfg = self.cfg
         if cfg.enable_expert_parallel and cfg.tensor_parallel_size == 1:
@@ -210,7 +233,8 @@ class LLMEngine:
         for name, value, why in (("kv_offload_host_memory", cfg.kv_offload_host_memory or cfg.kv_offload_disk
                                   or cfg.kv_offload_redis, "offload tiers"),
                                  ("kv_cache_dtype", cfg.kv_cache_dtype == "int8", "an int8 KV cache"),
-                                 ("speculative_method", cfg.speculative_method == "speculator", "a speculator")):
+                                 ("speculative_method", cfg.speculative_method == "speculator", "a speculator"),
+                                 ("lora_adapters", cfg.lora_adapters, "LoRA adapters")):
             if value:
                 raise ConfigError(f"model parallelism does not yet work with {why}", param=name)
 
@@ -310,9 +334,10 @@ class LLMEngine:
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-        hold_kv: bool = False,
+        hold_kv: bool = False, lora: str | None = None,
     ) -> str:
-        """Queue a request; `hold_kv` keeps its full KV blocks when it finishes (see `held`)."""
+        """Queue a request; `hold_kv` keeps its full KV blocks when it finishes (see `held`); `lora` names
+        the LoRA adapter it runs with."""
         params = params or SamplingParams()
         params.validate()
         text = prompt if isinstance(prompt, str) else None
@@ -323,6 +348,9 @@ class LLMEngine:
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids, hold_kv=hold_kv)
+        if lora is not None:
+            # The adapter's content, not its name, keys its prefix-cache blocks: a reload never meets stale KV
+            req.lora, req.cache_salt = lora, bytes.fromhex(self._adapter(lora).digest)
         if params.structured_output is not None:
             req.grammar = self._grammar_state(params.structured_output)
             if req.grammar.tokens_to_close(params.max_tokens) is None:
@@ -663,14 +691,18 @@ class LLMEngine:
     # ---- scoring -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def compute_logits(self, token_ids: list[int], all_positions: bool = False) -> torch.Tensor:
-        """fp32 logits of one prompt in one forward pass, outside the scheduler.
+    def compute_logits(self, token_ids: list[int], all_positions: bool = False, lora: str | None = None
+                       ) -> torch.Tensor:
+        """fp32 logits of one prompt in one forward pass, outside the scheduler (with the LoRA adapter `lora`).
 
         For parity checks and fidelity measurement (KL, perplexity). Returns [vocab] for the last
         position, or [positions, vocab]. The blocks it borrows are returned before it returns.
         """
         self._check_prompt(token_ids)
         req = Request("score", token_ids, SamplingParams(max_tokens=1, temperature=0.0))
+        if lora is not None:
+            self._adapter(lora)
+            req.lora = lora
         if not self.blocks.can_fit(req, len(token_ids)):
             raise PromptTooLongError("not enough free KV blocks to score this prompt now", param="prompt")
         self.blocks.grow(req, len(token_ids))

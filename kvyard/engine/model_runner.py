@@ -70,6 +70,7 @@ class ModelRunner:
         prompt_rows: list[tuple[Request, int, int]] = []
         prompt_indices: list[int] = []
         decodes = [r for r, n in pairs if n == 1]
+        adapters = [req.lora for req, n in pairs for _ in range(n)] if self.model.adapters else []
         views = self._views()
         for req, n in pairs:
             start = req.num_computed_tokens
@@ -103,6 +104,8 @@ class ModelRunner:
             for view, m in zip(views, metas, strict=True):
                 self._decode_metadata(view, decodes, m)
         meta = metas[0]
+        if adapters:
+            meta.adapter_rows = self.model.adapters.rows(adapters, dev)
         if len(metas) > 1:
             meta.window_group = metas[1]
         return StepInput(

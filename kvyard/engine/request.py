@@ -31,6 +31,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    lora: str | None = None  # the LoRA adapter this request runs with (kvyard/lora/), None: the base model
     cache_salt: bytes = b""  # isolates this request's prefix-cache entries from requests with another salt
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
     num_committed_blocks: int = 0  # leading blocks registered in the prefix cache

@@ -6,6 +6,7 @@ query each, batched into a single SDPA call), then prefill chunks (one causal SD
 """
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,9 @@ class AttentionMetadata:
     # The sliding layers' own view of the step when they keep KV in a pool of their own (window_blocks.py):
     # their slots and tables; their prefill contexts start at the window's edge.
     window_group: "AttentionMetadata | None" = None
+    # Which rows run with which LoRA adapter (kvyard.lora.stack.LoraRows), None: every row the base model's; it
+    # travels with the step's metadata so that every layer sees it
+    adapter_rows: Any = None
     _decode_mask: torch.Tensor | None = field(default=None, init=False, repr=False)
     _windowed: dict[int, "AttentionMetadata"] = field(default_factory=dict, init=False, repr=False)
 

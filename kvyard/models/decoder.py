@@ -74,6 +74,7 @@ class LayerWeights:
     mlp_out_norm: torch.Tensor | None = None
     moe: MoeWeights | None = None
     mla: Any = None  # a latent-attention layer's own weights (kvyard/models/deepseek.py LatentAttention)
+    lora: dict[str, Any] | None = None  # projection -> the loaded adapters' kvyard.lora.stack.StackedLora
     # Every assignment to any layer's fields, counted: a model rebuilds its decode stack when this moves (the
     # quantizer swaps units in place; int8 KV caches set qk_scale after load).
     edits: ClassVar[int] = 0
@@ -101,6 +102,8 @@ class DecoderModel:
         # (LayerWeights.edits when it was built; the stack, or None where it cannot run these layers)
         self._stack: tuple[int, torch.ScriptObject | None] | None = None
         self.q_size = cfg.num_heads * cfg.head_dim
+        self.adapters: Any = None  # kvyard.lora.stack.LoraRegistry, where the engine serves LoRA adapters
+        self._adapter_rows: Any = None  # the running step's meta.adapter_rows
 
     # ---- loading -------------------------------------------------------------------------------------
 
@@ -212,7 +215,9 @@ class DecoderModel:
                    kv_caches: list[LayerKV]) -> torch.Tensor:
         """Every layer this model holds on the residual stream `x`, in place (and returned)."""
         ropes = self.rotary(positions)
-        stack = self._decode_stack() if cpu_kernels.decode_stack_enabled() and takes_step(x, meta, kv_caches) else None
+        self._adapter_rows = meta.adapter_rows
+        stack = None if meta.adapter_rows is not None else \
+            self._decode_stack() if cpu_kernels.decode_stack_enabled() and takes_step(x, meta, kv_caches) else None
         if stack is not None and all(meta.windowed(layer.window) is meta for layer in self.layers):
             run_decode_stack(stack, x, meta, kv_caches, *ropes[0])
         else:
@@ -267,7 +272,7 @@ class DecoderModel:
                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         n, heads, kv_heads = h.shape[0], cfg.num_heads, cfg.num_kv_heads
-        qkv = linear(h, layer.qkv, layer.qkv_bias).view(n, heads + 2 * kv_heads, cfg.head_dim)
+        qkv = self._project(h, layer, "qkv", layer.qkv, layer.qkv_bias).view(n, heads + 2 * kv_heads, cfg.head_dim)
         qk = qkv[:, : heads + kv_heads]
         if layer.qk_norm is not None and cfg.qk_norm_whole:
             q_size = heads * cfg.head_dim
@@ -289,10 +294,20 @@ class DecoderModel:
             apply_rotary(qk, cos, sin, out=qk)
             cache.write(meta.slot_mapping, k, v)
         attn = paged_attention(q, cache, meta, k, v, cfg.attention_scale)
-        return linear(attn.reshape(n, self.q_size), layer.o)
+        return self._project(attn.reshape(n, self.q_size), layer, "o", layer.o)
 
     def _mlp(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         if layer.moe is not None:
             return moe_mlp(h, layer.moe, silu_mul)
-        gated = gated_mlp_input(h, layer.gate_up)
-        return linear(silu_mul(linear(h, layer.gate_up)) if gated is None else gated, layer.down)
+        adapted = self._adapter_rows is not None and layer.lora is not None
+        gated = None if adapted else gated_mlp_input(h, layer.gate_up)  # type: ignore[arg-type]
+        gate_up = silu_mul(self._project(h, layer, "gate_up", layer.gate_up)) if gated is None else gated
+        return self._project(gate_up, layer, "down", layer.down)
+
+    def _project(self, h: torch.Tensor, layer: LayerWeights, projection: str, weight: Weight | None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """h @ weight.T (+ bias), plus each of the step's rows' own LoRA delta where this layer has adapters."""
+        out = linear(h, weight, bias)  # type: ignore[arg-type]
+        if self._adapter_rows is not None and layer.lora is not None and projection in layer.lora:
+            layer.lora[projection].add_(out, h, self._adapter_rows)
+        return out

@@ -1,0 +1,96 @@
+"""Reading PEFT adapters: what is refused, with the file and the reason, and what a request may name."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvyard import LLM, SamplingParams
+from kvyard.errors import InvalidRequestError
+from kvyard.lora.adapter import AdapterError, load_adapter, pattern_value
+from tests.lora.adapters import make_adapter
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_checkpoint, tmp_path_factory):
+    base = tiny_checkpoint("llama")
+    return base, make_adapter(base, tmp_path_factory.mktemp("adapter") / "a")
+
+
+def _config_of(base):
+    from kvyard.loader.checkpoint import load_checkpoint
+
+    return load_checkpoint(base).config
+
+
+def _copy(src, dst, config_edit=None, tensors_edit=None):
+    dst.mkdir()
+    config = json.loads((src / "adapter_config.json").read_text())
+    if config_edit:
+        config_edit(config)
+    (dst / "adapter_config.json").write_text(json.dumps(config))
+    tensors = load_file(src / "adapter_model.safetensors")
+    if tensors_edit:
+        tensors_edit(tensors)
+    save_file(tensors, dst / "adapter_model.safetensors")
+    return dst
+
+
+def test_ranks_and_scales_follow_the_config(adapter):
+    base, path = adapter
+    a = load_adapter("a", path, _config_of(base))
+    assert a.max_rank == 4 and {m for _, m in a.modules} == {"q_proj", "v_proj"}
+    assert len(a.digest) == 64
+    assert pattern_value({"down_proj": 6}, "model.layers.0.mlp.down_proj", 2) == 6
+    assert pattern_value({"layers.1.mlp.down_proj": 6}, "model.layers.0.mlp.down_proj", 2) == 2
+
+
+@pytest.mark.parametrize("case, message", [
+    ("dora", "use_dora=True is not supported"),
+    ("bias", "bias='all' is not supported"),
+    ("unknown target", "target module(s) lm_head are not supported"),
+    ("wrong rank", "rank 8 on this model needs"),
+    ("foreign tensor", "is not a LoRA pair of a module kvyard adapts"),
+    ("layer out of range", "adapts layer 7; the base model has 2"),
+    ("half a pair", "without its pair"),
+])
+def test_bad_adapters_are_refused_naming_the_file(adapter, tmp_path, case, message):
+    base, path = adapter
+    def rename_layer(t):
+        for name in list(t):
+            t[name.replace("layers.1.", "layers.7.")] = t.pop(name)
+    edits = {
+        "dora": dict(config_edit=lambda c: c.update(use_dora=True)),
+        "bias": dict(config_edit=lambda c: c.update(bias="all")),
+        "unknown target": dict(config_edit=lambda c: c.update(target_modules=["q_proj", "lm_head"])),
+        "wrong rank": dict(config_edit=lambda c: c.update(r=8)),
+        "foreign tensor": dict(tensors_edit=lambda t: t.update({"base_model.model.lm_head.lora_A.weight": torch.ones(4, 64)})),
+        "layer out of range": dict(tensors_edit=rename_layer),
+        "half a pair": dict(tensors_edit=lambda t: t.pop(next(n for n in t if "lora_B" in n))),
+    }
+    bad = _copy(path, tmp_path / "bad", **edits[case])
+    with pytest.raises(AdapterError) as e:
+        load_adapter("bad", bad, _config_of(base))
+    assert message in str(e.value) and str(bad) in str(e.value)
+
+
+def test_missing_and_corrupt_files(adapter, tmp_path):
+    base, path = adapter
+    cfg = _config_of(base)
+    with pytest.raises(AdapterError, match="adapter_config.json: missing"):
+        load_adapter("x", tmp_path, cfg)
+    broken = _copy(path, tmp_path / "broken")
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(AdapterError, match="adapter_model.safetensors: not a readable safetensors file"):
+        load_adapter("x", broken, cfg)
+
+
+def test_a_request_for_an_unknown_adapter_is_a_clear_error_and_the_engine_goes_on(adapter):
+    base, path = adapter
+    llm = LLM(str(base), dtype="float32", lora_adapters={"a": str(path)})
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'b' \\(loaded: a\\)"):
+        llm.generate(["hello"], SamplingParams(max_tokens=2), lora="b")
+    assert llm.generate(["hello"], SamplingParams(max_tokens=2, ignore_eos=True), lora="a")[0].outputs[0].token_ids
+    with pytest.raises(InvalidRequestError, match="serves none"):
+        LLM(str(base), dtype="float32").generate(["hello"], SamplingParams(max_tokens=2), lora="a")
