@@ -55,6 +55,22 @@ _HELP = {
     "ngram_max": "prompt lookup: longest tail n-gram to match",
 }
 
+# Mapping fields, given as a repeatable NAME=VALUE flag
+_MAPPING_FLAGS = {"lora_adapters": ("--lora", "NAME=PATH", "serve the PEFT LoRA adapter at PATH as model NAME "
+                                                          "(repeatable)")}
+
+
+class _NameValue(argparse.Action):
+    """NAME=VALUE into a dict (a fresh one per parse: the default is never mutated)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: Any,
+                 option: str | None = None) -> None:
+        name, sep, rest = str(value).partition("=")
+        if not sep or not name or not rest:
+            parser.error(f"{option} takes NAME=VALUE, got {value!r}")
+        setattr(namespace, self.dest, {**(getattr(namespace, self.dest) or {}), name: rest})
+
+
 def _flag_type(hint: Any) -> type:
     """int or float for a field that holds only that (or None), str for the rest: `kv_cache_memory` (int | str)
     parses sizes such as 2GiB itself, `dtype` names a torch dtype."""
@@ -68,7 +84,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        if isinstance(default, bool):
+        if f.name in _MAPPING_FLAGS:
+            flag, metavar, help_text = _MAPPING_FLAGS[f.name]
+            g.add_argument(flag, dest=f.name, action=_NameValue, default=default, metavar=metavar, help=help_text)
+        elif isinstance(default, bool):
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP.get(f.name))
         else:
             g.add_argument(flag, type=_flag_type(hints[f.name]), default=default, help=_HELP.get(f.name))

@@ -43,6 +43,7 @@ _SERVER_FLAGS: list[tuple[str, type, str]] = [
     ("capture", str, "capture requests as JSON lines into this directory (sampling, redaction and size budgets "
                      "from --config's server.capture)"),
     ("kv_fetch_timeout", float, "decode role: seconds to wait for a KV pull before prefilling locally (default 10)"),
+    ("enable_lora_runtime_updates", bool, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter"),
 ]
 
 
@@ -52,7 +53,10 @@ def add_serve_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                    help="YAML deployment file with `engine:` and `server:` sections; flags override it")
     g = p.add_argument_group("server")
     for name, kind, help_text in _SERVER_FLAGS:
-        g.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
+        if kind is bool:  # a switch; left out, the deployment file's value (or the default) stands
+            g.add_argument("--" + name.replace("_", "-"), action="store_const", const=True, default=None, help=help_text)
+        else:
+            g.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
     add_engine_args(p)
     p.set_defaults(**{f.name: None for f in dataclasses.fields(EngineConfig)}, func=cmd_serve)
 

@@ -204,15 +204,40 @@ class LLMEngine:
         """The LoRA adapters this engine serves (EngineConfig.lora_adapters), loaded into `model`'s layers."""
         if not self.cfg.lora_adapters:
             return None
+        registry = self._new_lora_registry(model)
+        for name, adapter_path in self.cfg.lora_adapters.items():
+            registry.load(name, adapter_path)
+        return registry
+
+    def _new_lora_registry(self, model: DecoderModel) -> LoraRegistry:
         cfg = self.model_config
         if cfg.num_experts or cfg.kv_lora_rank or cfg.model_type not in LORA_FAMILIES:
             raise ConfigError(f"LoRA adapters work with dense {', '.join(LORA_FAMILIES)} models, not "
                               f"{cfg.model_type}{' with experts' if cfg.num_experts else ''}", param="lora_adapters")
-        registry = LoraRegistry(model)
-        for name, adapter_path in self.cfg.lora_adapters.items():
-            registry.load(name, adapter_path)
-        model.adapters = registry
-        return registry
+        if self._workers is not None or self.cfg.tensor_parallel_size > 1 or self.cfg.pipeline_parallel_size > 1:
+            raise ConfigError("model parallelism does not yet work with LoRA adapters", param="lora_adapters")
+        model.adapters = LoraRegistry(model)
+        return model.adapters
+
+    def load_lora(self, name: str, path: str) -> LoraAdapter:
+        """Serve the adapter at `path` as `name` from the next step on, replacing one of that name (requests
+        running with the old one must finish first: its KV and its tokens belong to it)."""
+        if self.lora is not None and name in self.lora.adapters:
+            self._refuse_while_in_use(name, "replaced")
+        if self.lora is None:
+            self.lora = self._new_lora_registry(self.runner.model)
+        return self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self._adapter(name)
+        self._refuse_while_in_use(name, "unloaded")
+        self.lora.unload(name)  # type: ignore[union-attr]
+
+    def _refuse_while_in_use(self, name: str, what: str) -> None:
+        running = sum(1 for t in self._tracked.values() if t.req.lora == name)
+        if running:
+            raise InvalidRequestError(f"LoRA adapter {name!r} cannot be {what} while {running} request(s) run with "
+                                      f"it", param="lora_name")
 
     def _adapter(self, name: str) -> LoraAdapter:
         if self.lora is None:

@@ -16,6 +16,7 @@ from kvyard.server.context import ServerContext
 from kvyard.server.errors import InternalErrorMiddleware, install_error_handlers
 from kvyard.server.guards import GuardMiddleware
 from kvyard.server.kv_routes import install_kv_routes
+from kvyard.server.lora_api import adapter_cards, install_lora_routes
 from kvyard.server.openapi import install_openapi
 from kvyard.server.protocol import ModelCard, ModelList
 from kvyard.server.tokenize_api import install_tokenize_routes
@@ -37,7 +38,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def list_models() -> Response:
         card = ModelCard(id=ctx.model_name, created=ctx.created, max_model_len=engine.max_model_len,
                          generation_defaults=ctx.generation_defaults)
-        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+        return Response(ModelList(data=[card, *adapter_cards(ctx)]).model_dump_json(), media_type="application/json")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -48,6 +49,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         return await create_chat_completion(request, ctx)
 
     install_tokenize_routes(app, ctx)  # vLLM's /tokenize and /detokenize
+    install_lora_routes(app, ctx)  # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter
     install_kv_routes(app, engine, settings, ctx.model_name, ctx.disagg)  # /kv/config, /kv/snapshot, event publisher
 
     @app.get("/health")

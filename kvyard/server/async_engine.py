@@ -138,6 +138,15 @@ class _Add:
     done: "concurrent.futures.Future[None]"
     hold_kv: bool = False
     received: ReceivedKV | None = None
+    lora: str | None = None
+
+
+@dataclass
+class _Call:
+    """Run `fn` on the engine thread, between steps (what changes the model must not race a step)."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: "concurrent.futures.Future[Any]"
 
 
 @dataclass
@@ -192,6 +201,8 @@ class AsyncEngine:
         self.generation_defaults = dict(engine.generation_defaults)
         self.max_model_len = engine.max_model_len
         self.model_name = engine.cfg.model
+        # The LoRA adapters served, name -> directory; changed only by load_lora / unload_lora
+        self.lora_adapters = {n: str(a.path) for n, a in engine.lora.adapters.items()} if engine.lora else {}
         self.engine_config = engine.cfg
         self.block_size = engine.cfg.block_size
         self.enable_prefix_caching = engine.cfg.enable_prefix_caching
@@ -232,12 +243,14 @@ class AsyncEngine:
         sink: "asyncio.Queue[SinkItem] | None" = None,
         hold_kv: bool = False,
         received: ReceivedKV | None = None,
+        lora: str | None = None,
     ) -> "asyncio.Queue[SinkItem]":
         """Submit a request; return the queue its outputs arrive on once the engine has accepted it.
 
         Several requests may share one `sink` (their outputs carry their request ids). Raises the
         engine's typed error when it rejects the request. `hold_kv` keeps its KV when it finishes (see
-        `held_kv`); `received` KV is adopted into the prefix cache first (prefill/decode disaggregation).
+        `held_kv`); `received` KV is adopted into the prefix cache first (prefill/decode disaggregation);
+        `lora` names the LoRA adapter it runs with.
         """
         if not self.is_running:
             if received is not None:
@@ -249,7 +262,7 @@ class AsyncEngine:
         with self._pending_lock:
             self._pending += 1
         self._commands.put(_Add(request_id, prompt, params, _Sink(asyncio.get_running_loop(), sink), done,
-                                hold_kv, received))
+                                hold_kv, received, lora))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -292,6 +305,22 @@ class AsyncEngine:
     def release_kv_nowait(self, request_id: str) -> None:
         """Drop a finished request's held KV blocks; callable from any thread (the transfer layer's)."""
         self._commands.put(_HeldKV(request_id, release=True))
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter at `path` as `name` (read on the engine thread, between steps)."""
+        adapter = await self._on_engine_thread(lambda engine: engine.load_lora(name, path))
+        self.lora_adapters[name] = str(adapter.path)
+
+    async def unload_lora(self, name: str) -> None:
+        await self._on_engine_thread(lambda engine: engine.unload_lora(name))
+        self.lora_adapters.pop(name, None)
+
+    async def _on_engine_thread(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put(_Call(fn, done))
+        return await asyncio.wrap_future(done)
 
     def abort_nowait(self, request_id: str) -> None:
         """Abort from anywhere, without awaiting (safe in `finally` blocks of cancelled tasks)."""
@@ -352,6 +381,8 @@ class AsyncEngine:
                     cmd.done.set_result(self._engine.enable_kv_events())
                 elif isinstance(cmd, _HeldKV):
                     self._held_kv(cmd)
+                elif isinstance(cmd, _Call):
+                    self._call(cmd)
                 else:
                     self._abort(cmd.request_id)
                 cmd = self._commands.get_nowait()
@@ -364,6 +395,14 @@ class AsyncEngine:
                 self._pending -= added
         return keep_running
 
+    def _call(self, cmd: _Call) -> None:
+        if not cmd.done.set_running_or_notify_cancel():
+            return
+        try:
+            cmd.done.set_result(cmd.fn(self._engine))
+        except Exception as e:  # typed errors travel back as they are; the engine goes on
+            cmd.done.set_exception(e)
+
     def _add(self, cmd: _Add) -> None:
         if not cmd.done.set_running_or_notify_cancel():
             if cmd.received is not None:
@@ -372,7 +411,7 @@ class AsyncEngine:
         if cmd.received is not None:
             self._adopt(cmd.request_id, cmd.received)
         try:
-            self._engine.add_request(cmd.prompt, cmd.params, cmd.request_id, hold_kv=cmd.hold_kv)
+            self._engine.add_request(cmd.prompt, cmd.params, cmd.request_id, hold_kv=cmd.hold_kv, lora=cmd.lora)
         except Exception as e:  # typed validation errors travel back as they are
             cmd.done.set_exception(e)
             return

@@ -72,7 +72,8 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
                                  ctx.generation_defaults, body.prompt_logprobs)
         if constraint is not None:
             params = replace(params, structured_output=constraint)
-        run = EngineRun(ctx, new_id("chatcmpl"), arrival, guard, streaming=bool(body.stream))
+        run = EngineRun(ctx, new_id("chatcmpl"), arrival, guard, streaming=bool(body.stream),
+                        lora=ctx.adapter_of(model))
         try:
             await run.start([prompt], params, body.kv_transfer_params)
         except PromptTooLongError as e:

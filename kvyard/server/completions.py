@@ -57,7 +57,8 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
             params = replace(params, structured_output=await ctx.grammars.compile(constraint))
         prompts = await _prompt_ids(ctx, body.prompt)
         echoes = await _echo_texts(ctx, body, prompts)
-        run = EngineRun(ctx, new_id("cmpl"), arrival, guard, streaming=bool(body.stream))
+        run = EngineRun(ctx, new_id("cmpl"), arrival, guard, streaming=bool(body.stream),
+                        lora=ctx.adapter_of(model))
         await run.start(prompts, params, body.kv_transfer_params)
     if body.stream:
         return EventStreamResponse(_stream(ctx, run, model, body, echoes), on_close=run.close)

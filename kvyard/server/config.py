@@ -50,6 +50,9 @@ class ServerSettings:
     request_timeout: float | None = 600.0  # seconds from arrival to the last token; None: no deadline
     drain_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     served_model_name: str | None = None  # default: the engine's model name
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the served adapters (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING); off, they answer 404
+    enable_lora_runtime_updates: bool = False
     log_level: str = "info"
     # What to do when a generation loops: {action: off|stop|retry, max_retries, min_count, ...}
     # (kvyard/server/repetition.py); requests may override it. A mapping here, a RepetitionGuard after.

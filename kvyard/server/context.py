@@ -56,8 +56,16 @@ class ServerContext:
         )
 
     def check_model(self, name: str | None) -> str:
-        """The name to answer with; the engine's own model name is accepted as an alias."""
+        """The name to answer with: the base model's (its engine name is an alias), or a LoRA adapter's."""
         if name is None or name in (self.model_name, self.engine.model_name):
             return self.model_name
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+        if name in self.engine.lora_adapters:
+            return name
+        adapters = f" and the LoRA adapters {', '.join(sorted(self.engine.lora_adapters))}" \
+            if self.engine.lora_adapters else ""
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}{adapters}",
                        param="model", code="model_not_found")
+
+    def adapter_of(self, model: str) -> str | None:
+        """The LoRA adapter a request for `model` (as check_model answered) runs with; None: the base model."""
+        return model if model != self.model_name and model in self.engine.lora_adapters else None

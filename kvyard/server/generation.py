@@ -118,8 +118,9 @@ class Choice:
 
 class EngineRun:
     def __init__(self, ctx: ServerContext, request_id: str, arrival: float | None = None,
-                 guard: RepetitionGuard | None = None, streaming: bool = False):
+                 guard: RepetitionGuard | None = None, streaming: bool = False, lora: str | None = None):
         self.ctx = ctx
+        self.lora = lora  # the LoRA adapter every choice runs with (the request's model), None: the base model
         self.request_id = request_id
         self.guard = guard or RepetitionGuard()
         self.streaming = streaming
@@ -154,7 +155,8 @@ class EngineRun:
                 self.choices[rid] = Choice(index, p, rid, ids, copy, prompt_tokens=len(ids))
                 # Only the first add carries the KV: it is adopted into the prefix cache, the rest hit it.
                 kv, received = received, None
-                submits.append(self.ctx.engine.add_request(ids, copy, rid, sink=self.queue, received=kv))
+                submits.append(self.ctx.engine.add_request(ids, copy, rid, sink=self.queue, received=kv,
+                                                           lora=self.lora))
         self.ctx.drain.runs.add(self)
         results = await asyncio.gather(*submits, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -212,7 +214,7 @@ class EngineRun:
         params = self.guard.retry_params(choice.params, choice.attempt)
         log.info("%s looped; retry %d with repetition_penalty %.2f", self.request_id, choice.attempt,
                  params.repetition_penalty)
-        await self.ctx.engine.add_request(choice.prompt, params, choice.request_id, sink=self.queue)
+        await self.ctx.engine.add_request(choice.prompt, params, choice.request_id, sink=self.queue, lora=self.lora)
 
     async def _next(self) -> SinkItem | None:
         if self.deadline is None:

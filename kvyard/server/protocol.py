@@ -402,6 +402,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kvyard"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's directory (vLLM's field)
+    parent: str | None = None  # a LoRA adapter's base model
     # The model's own sampling defaults, used where a request leaves a parameter out (generation_config.json)
     generation_defaults: dict[str, float | int] = Field(default_factory=dict)
 

@@ -94,3 +94,16 @@ def test_a_request_for_an_unknown_adapter_is_a_clear_error_and_the_engine_goes_o
     assert llm.generate(["hello"], SamplingParams(max_tokens=2, ignore_eos=True), lora="a")[0].outputs[0].token_ids
     with pytest.raises(InvalidRequestError, match="serves none"):
         LLM(str(base), dtype="float32").generate(["hello"], SamplingParams(max_tokens=2), lora="a")
+
+
+def test_an_adapter_in_use_is_neither_replaced_nor_unloaded(adapter):
+    base, path = adapter
+    llm = LLM(str(base), dtype="float32", lora_adapters={"a": str(path)})
+    llm.engine.add_request("hello", SamplingParams(max_tokens=4), lora="a")
+    for change in (lambda: llm.engine.load_lora("a", str(path)), lambda: llm.engine.unload_lora("a")):
+        with pytest.raises(InvalidRequestError, match="while 1 request"):
+            change()
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    llm.engine.unload_lora("a")
+    assert llm.engine.lora.adapters == {}

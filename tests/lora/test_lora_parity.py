@@ -77,7 +77,7 @@ def test_reloading_under_the_same_name_never_serves_stale_kv(tiny_checkpoint, tm
     before = llm.generate([prompt], GREEDY, lora="tuned")[0].outputs[0].token_ids
     shutil.rmtree(served)
     shutil.copytree(second, served)
-    llm.engine.lora.load("tuned", str(served))
+    llm.engine.load_lora("tuned", str(served))
     after = llm.generate([prompt], GREEDY, lora="tuned")[0].outputs[0].token_ids
     fresh = LLM(str(base), dtype="float32", lora_adapters={"tuned": str(second)})
     assert after == fresh.generate([prompt], GREEDY, lora="tuned")[0].outputs[0].token_ids

@@ -97,3 +97,14 @@ def test_parallel_layouts_from_flags_and_from_the_file(tmp_path):
     assert (engine.tensor_parallel_size, engine.enable_expert_parallel, engine.tensor_parallel_comm) == (2, True, "gloo")
     with pytest.raises(InvalidRequestError, match="expert_placement must be contiguous or round_robin"):
         serve_configs("--expert-placement", "random")
+
+
+def test_lora_adapters_from_flags_and_from_the_file(tmp_path):
+    engine, server = serve_configs("--lora", "sql=/a/sql", "--lora", "chat=/a/chat", "--enable-lora-runtime-updates")
+    assert engine.lora_adapters == {"sql": "/a/sql", "chat": "/a/chat"} and server.enable_lora_runtime_updates
+    path = write(tmp_path, "engine:\n  lora_adapters:\n    sql: /b/sql\nserver:\n  enable_lora_runtime_updates: true\n")
+    engine, server = serve_configs("--config", str(path))
+    assert engine.lora_adapters == {"sql": "/b/sql"} and server.enable_lora_runtime_updates
+    assert serve_configs()[0].lora_adapters == {} and not serve_configs()[1].enable_lora_runtime_updates
+    with pytest.raises(SystemExit):
+        serve_configs("--lora", "no-path")
