@@ -70,7 +70,7 @@ class ModelRunner:
         prompt_rows: list[tuple[Request, int, int]] = []
         prompt_indices: list[int] = []
         decodes = [r for r, n in pairs if n == 1]
-        adapters = [req.lora for req, n in pairs for _ in range(n)] if self.model.adapters else []
+        runs: list[tuple[int, int, str | None]] = []  # (first row, rows, LoRA adapter) of each request
         views = self._views()
         for req, n in pairs:
             start = req.num_computed_tokens
@@ -79,6 +79,7 @@ class ModelRunner:
             # so it takes the prefill path (context slots + causal mask) and gets a row per position.
             k = len(req.spec_token_ids)
             tokens = req.token_ids + req.spec_token_ids if k else req.token_ids
+            runs.append((row, n, req.lora))
             ids.extend(tokens[start : start + n])
             pos.extend(range(start, start + n))
             for view in views:
@@ -104,8 +105,8 @@ class ModelRunner:
             for view, m in zip(views, metas, strict=True):
                 self._decode_metadata(view, decodes, m)
         meta = metas[0]
-        if adapters:
-            meta.adapter_rows = self.model.adapters.rows(adapters, dev)
+        if self.model.adapters:
+            meta.adapter_rows = self.model.adapters.rows(runs, len(decodes), dev)
         if len(metas) > 1:
             meta.window_group = metas[1]
         return StepInput(

@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "norm_act.cpp", _CSRC / "rope_kv.cpp", _CSRC / "amx_linear.cpp",
             _CSRC / "amx_lowbit.cpp", _CSRC / "lowbit_linear.cpp", _CSRC / "linear_bf16.cpp",
-            _CSRC / "dpbf16_linear.cpp", _CSRC / "vnni_lowbit.cpp", _CSRC / "decode_stack.cpp"]
+            _CSRC / "dpbf16_linear.cpp", _CSRC / "vnni_lowbit.cpp", _CSRC / "decode_stack.cpp",
+            _CSRC / "lora.cpp"]
 _HEADERS = [_CSRC / "vec.h", _CSRC / "amx.h", _CSRC / "widened_rows.h", _CSRC / "ops.h", _CSRC / "vnni_blocks.h"]
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet

@@ -1,11 +1,11 @@
 """Many LoRA adapters in one batch (#39): every loaded adapter in a slot of each layer's stacked weights.
 
 A step's rows may each name a different adapter, or none. For each projection a layer keeps the adapters'
-A and B side by side (`StackedLora`), so the rows that have an adapter take their deltas in two dense matmuls
-whatever their mix, as Punica's BGMV gathers each row's pair: x @ A.T gives every adapter's low-rank
-activations, the columns not of a row's own adapter are zeroed, and @ B adds the row's delta. A slot is as
-wide as its widest part's rank, the others padded with zeros (exact: a zero column adds nothing). Rows with no
-adapter are left out of both matmuls, so a step of base rows alone costs nothing.
+A and B side by side (`StackedLora`), a slot each, as wide as its widest part's rank (the rest zeros: exact).
+The decode rows, one a request and each maybe of a different adapter, go through kvyard's BGMV kernel
+(kvyard/kernels/csrc/lora.cpp): a row reads only its own adapter's pair, as Punica's BGMV gathers it. A run of
+rows with one adapter (a prompt chunk, drafts to verify) takes two small GEMMs with that adapter's pair, as
+SGMV's segments do. Rows with no adapter are left out, so a step of base rows alone costs nothing.
 
 The engine fuses q|k|v and gate|up into one matmul each; their adapters' parts sit in the same slot, each B
 writing only its part's columns of the fused output.
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvyard.errors import InvalidRequestError
+from kvyard.kernels import cpu as cpu_kernels
 from kvyard.lora.adapter import LoraAdapter, load_adapter, module_shape
 
 # The engine's projections and the PEFT modules fused into each, in their output order
@@ -25,28 +26,45 @@ PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up
 
 @dataclass
 class LoraRows:
-    """Which rows of a step have an adapter, and whose: `index` of those rows (None: every row), `slots` theirs."""
+    """A step's rows that run with an adapter: the decode rows (one a request, first in the step) by slot, and
+    the longer runs of rows (a prompt chunk, or a decode verifying drafts) as (start, end, slot)."""
 
-    index: torch.Tensor | None
-    slots: torch.Tensor  # [rows with an adapter], int64
+    decode_slots: torch.Tensor | None  # [decode rows] int64, each row's slot (-1: the base model); None: no adapter
+    segments: list[tuple[int, int, int]]
 
 
 @dataclass
 class StackedLora:
     a: torch.Tensor  # [slots * width, in]
     b: torch.Tensor  # [slots * width, out]
-    column_slot: torch.Tensor  # [slots * width]: the slot each low-rank column belongs to
+    rank: int  # rows a part takes in a slot: the largest rank of any adapter's part here
+    part_offsets: list[int]  # each part's first column in the fused output, then the output's width
+    used: torch.Tensor  # [slots, parts] int64: the rows of a part its adapter fills (0: it does not adapt it)
+
+    @property
+    def width(self) -> int:  # rows a slot takes
+        return self.rank * (len(self.part_offsets) - 1)
 
     def add_(self, out: torch.Tensor, x: torch.Tensor, rows: LoraRows) -> None:
         """out += each row's own adapter's delta, for the rows that have one."""
-        xs = x if rows.index is None else x.index_select(0, rows.index)
-        low = xs @ self.a.T
-        low.mul_(self.column_slot == rows.slots.unsqueeze(1))
-        delta = low @ self.b
-        if rows.index is None:
-            out.add_(delta)
-        else:
-            out.index_add_(0, rows.index, delta)
+        if rows.decode_slots is not None:
+            n = rows.decode_slots.shape[0]
+            self._gathered_(out[:n], x[:n].contiguous(), rows.decode_slots)
+        for start, end, slot in rows.segments:  # a run of rows with one adapter: two small GEMMs
+            mine = slice(slot * self.width, (slot + 1) * self.width)
+            out[start:end] += (x[start:end] @ self.a[mine].T) @ self.b[mine]
+
+    def _gathered_(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rows of different adapters: each reads only its own pair (kvyard's BGMV kernel), or, without the
+        kernels, every adapter's low-rank columns with the other adapters' zeroed (exact, but it computes them
+        all)."""
+        if cpu_kernels.available() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+            torch.ops.kvyard.lora_bgmv_(out, x, self.a, self.b, slots, self.rank, self.used, self.part_offsets)
+            return
+        low = x @ self.a.T
+        column_slot = torch.arange(self.a.shape[0], device=x.device) // self.width
+        low.mul_(column_slot == slots.unsqueeze(1))
+        out += low @ self.b
 
 
 def stack_projection(adapters: list[LoraAdapter], layer: int, projection: str, cfg, dtype: torch.dtype,
@@ -57,20 +75,21 @@ def stack_projection(adapters: list[LoraAdapter], layer: int, projection: str, c
     if rank == 0:
         return None
     shapes = [module_shape(cfg, p) for p in parts]
+    offsets = [sum(out for out, _ in shapes[:i]) for i in range(len(parts) + 1)]
     width = rank * len(parts)
     a = torch.zeros(len(adapters) * width, shapes[0][1])
-    b = torch.zeros(len(adapters) * width, sum(out for out, _ in shapes))
+    b = torch.zeros(len(adapters) * width, offsets[-1])
+    used = torch.zeros(len(adapters), len(parts), dtype=torch.long)
     for slot, adapter in enumerate(adapters):
-        out_start = 0
-        for i, (part, (out, _)) in enumerate(zip(parts, shapes, strict=True)):
+        for i, part in enumerate(parts):
             module = adapter.modules.get((layer, part))
             if module is not None:
                 first = slot * width + i * rank
                 a[first : first + module.rank] = module.a
-                b[first : first + module.rank, out_start : out_start + out] = module.b.T
-            out_start += out
-    column_slot = torch.arange(len(adapters) * width, device=device) // width
-    return StackedLora(a.to(dtype=dtype, device=device), b.to(dtype=dtype, device=device), column_slot)
+                b[first : first + module.rank, offsets[i] : offsets[i + 1]] = module.b.T
+                used[slot, i] = module.rank
+    return StackedLora(a.to(dtype=dtype, device=device), b.to(dtype=dtype, device=device), rank, offsets,
+                       used.to(device))
 
 
 class LoraRegistry:
@@ -98,16 +117,17 @@ class LoraRegistry:
             raise InvalidRequestError(f"unknown LoRA adapter {name!r} (loaded: {known})", param="model")
         return self.adapters[name]
 
-    def rows(self, names: list[str | None], device: torch.device) -> LoraRows | None:
-        """A step's rows' adapters, by name (None: the base model); None when no row has one."""
+    def rows(self, runs: list[tuple[int, int, str | None]], num_decodes: int, device: torch.device
+             ) -> LoraRows | None:
+        """A step's rows' adapters from its runs of rows (start, count, adapter name or None), the first
+        `num_decodes` of them single decode rows; None when no row has an adapter."""
         slot_of = {name: i for i, name in enumerate(self.adapters)}
-        slots = [slot_of[n] if n is not None else -1 for n in names]
-        index = [i for i, s in enumerate(slots) if s >= 0]
-        if not index:
+        decodes = [slot_of[name] if name is not None else -1 for _, _, name in runs[:num_decodes]]
+        segments = [(start, start + n, slot_of[name]) for start, n, name in runs[num_decodes:] if name is not None]
+        if not segments and all(s < 0 for s in decodes):
             return None
-        if len(index) == len(slots):
-            return LoraRows(None, torch.tensor(slots, device=device))
-        return LoraRows(torch.tensor(index, device=device), torch.tensor([slots[i] for i in index], device=device))
+        has_decode = any(s >= 0 for s in decodes)
+        return LoraRows(torch.tensor(decodes, device=device) if has_decode else None, segments)
 
     def _restack(self) -> None:
         model, adapters = self.model, list(self.adapters.values())
