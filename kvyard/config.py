@@ -114,12 +114,16 @@ class EngineConfig:
     # LoRA adapters served beside the base model (kvyard/lora/): name -> a PEFT adapter directory; a request names
     # one as its model
     lora_adapters: dict[str, str] = field(default_factory=dict)
+    # Bytes the loaded adapters' weights may take; past it the least recently used one no request runs with is
+    # unloaded, and read again from its directory when a request names it. 0: no limit
+    lora_memory: int | str = 0
     ngram_min: int = 1  # prompt lookup matches the last n tokens, n from ngram_max down to ngram_min
     ngram_max: int = 4
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        self.lora_memory = parse_bytes(self.lora_memory)
         self.kv_offload_host_memory = parse_bytes(self.kv_offload_host_memory)
         self.kv_offload_disk_capacity = parse_bytes(self.kv_offload_disk_capacity)
         if self.kv_offload_decision not in ("auto", "load", "recompute"):

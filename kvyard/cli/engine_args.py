@@ -51,6 +51,8 @@ _HELP = {
     "num_speculative_tokens": "most draft tokens verified per request and step",
     "speculative_adaptive": "adapt the draft length per request to its acceptance rate",
     "speculative_max_batch": "speculate only in steps where at most this many requests decode",
+    "lora_memory": "bytes the loaded LoRA adapters may take, e.g. 512MiB; past it the least recently used idle one "
+                   "is unloaded and read again when named (0: no limit)",
     "ngram_min": "prompt lookup: shortest tail n-gram to match",
     "ngram_max": "prompt lookup: longest tail n-gram to match",
 }

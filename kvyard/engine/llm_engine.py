@@ -216,7 +216,7 @@ class LLMEngine:
                               f"{cfg.model_type}{' with experts' if cfg.num_experts else ''}", param="lora_adapters")
         if self._workers is not None or self.cfg.tensor_parallel_size > 1 or self.cfg.pipeline_parallel_size > 1:
             raise ConfigError("model parallelism does not yet work with LoRA adapters", param="lora_adapters")
-        model.adapters = LoraRegistry(model)
+        model.adapters = LoraRegistry(model, self.cfg.lora_memory, busy=self._lora_busy)
         return model.adapters
 
     def load_lora(self, name: str, path: str) -> LoraAdapter:
@@ -240,9 +240,13 @@ class LLMEngine:
                                       f"it", param="lora_name")
 
     def _adapter(self, name: str) -> LoraAdapter:
+        """The adapter `name`, loaded for the next step (read again if the memory budget had evicted it)."""
         if self.lora is None:
             raise InvalidRequestError(f"unknown LoRA adapter {name!r}: this engine serves none", param="model")
-        return self.lora.adapter(name)
+        return self.lora.acquire(name)
+
+    def _lora_busy(self, name: str) -> bool:
+        return any(t.req.lora == name for t in getattr(self, "_tracked", {}).values())  # none while building
 
     def _refuse_with_parallelism(self, model: "ModelConfig") -> None:
         cfg = self.cfg

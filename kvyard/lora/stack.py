@@ -11,6 +11,8 @@ The engine fuses q|k|v and gate|up into one matmul each; their adapters' parts s
 writing only its part's columns of the fused output.
 """
 
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -93,35 +95,74 @@ def stack_projection(adapters: list[LoraAdapter], layer: int, projection: str, c
 
 
 class LoraRegistry:
-    """The adapters a model serves, by name; each a slot of every layer's stacks (`LayerWeights.lora`)."""
+    """The adapters a model serves, by name. Those loaded take a slot of every layer's stacks
+    (`LayerWeights.lora`); with a memory budget, the least recently used one no request is running with makes way
+    for one a request names, and is read again from its directory when a request names it."""
 
-    def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, model, memory_budget: int = 0,  # type: ignore[no-untyped-def]
+                 busy: Callable[[str], bool] = lambda name: False) -> None:
         self.model = model
-        self.adapters: dict[str, LoraAdapter] = {}
+        self.memory_budget = memory_budget  # bytes of stacked weights the loaded adapters may take; 0: no limit
+        self.busy = busy  # whether a request is running with the adapter of this name
+        self.known: dict[str, str] = {}  # every adapter served: name -> its directory
+        self.adapters: OrderedDict[str, LoraAdapter] = OrderedDict()  # the loaded, least recently used first
+        self.slots: list[str] = []  # the loaded by slot, as stacked (use reorders `adapters`, never the stacks)
+        self.loads = 0  # adapters read from disk, first loads and reloads after an eviction
 
     def load(self, name: str, path: str) -> LoraAdapter:
         """Read the adapter at `path` and serve it as `name` (replacing any adapter of that name)."""
         adapter = load_adapter(name, path, self.model.cfg)
-        self.adapters[name] = adapter
-        self._restack()
+        self.adapters.pop(name, None)
+        self._admit(adapter)
+        self.known[name] = path
+        return adapter
+
+    def acquire(self, name: str) -> LoraAdapter:
+        """The adapter `name`, loaded (again, if it was evicted) and marked the most recently used."""
+        if name not in self.known:
+            served = ", ".join(sorted(self.known)) or "none"
+            raise InvalidRequestError(f"unknown LoRA adapter {name!r} (served: {served})", param="model")
+        if name in self.adapters:
+            self.adapters.move_to_end(name)
+            return self.adapters[name]
+        adapter = load_adapter(name, self.known[name], self.model.cfg)
+        self._admit(adapter)
         return adapter
 
     def unload(self, name: str) -> None:
-        self.adapter(name)
-        del self.adapters[name]
-        self._restack()
+        if name not in self.known:
+            self.acquire(name)  # the unknown adapter's error
+        del self.known[name]
+        if self.adapters.pop(name, None) is not None:
+            self._restack()
 
-    def adapter(self, name: str) -> LoraAdapter:
-        if name not in self.adapters:
-            known = ", ".join(sorted(self.adapters)) or "none loaded"
-            raise InvalidRequestError(f"unknown LoRA adapter {name!r} (loaded: {known})", param="model")
-        return self.adapters[name]
+    def adapter_bytes(self, adapter: LoraAdapter) -> int:
+        """What the adapter takes once stacked in the model's dtype."""
+        return adapter.nbytes // 4 * self.model.dtype.itemsize
+
+    def _admit(self, adapter: LoraAdapter) -> None:
+        need = self.adapter_bytes(adapter)
+        if self.memory_budget:
+            if need > self.memory_budget:
+                raise InvalidRequestError(f"LoRA adapter {adapter.name!r} takes {need} bytes, more than the whole "
+                                          f"LoRA memory budget ({self.memory_budget})", param="model")
+            held = sum(self.adapter_bytes(a) for a in self.adapters.values())
+            for name in [n for n in self.adapters if not self.busy(n)]:  # least recently used first
+                if held + need <= self.memory_budget:
+                    break
+                held -= self.adapter_bytes(self.adapters.pop(name))
+            if held + need > self.memory_budget:
+                raise InvalidRequestError(f"no room for LoRA adapter {adapter.name!r}: the adapters requests are "
+                                          f"running with fill the LoRA memory budget; retry later", param="model")
+        self.adapters[adapter.name] = adapter
+        self.loads += 1
+        self._restack()
 
     def rows(self, runs: list[tuple[int, int, str | None]], num_decodes: int, device: torch.device
              ) -> LoraRows | None:
         """A step's rows' adapters from its runs of rows (start, count, adapter name or None), the first
         `num_decodes` of them single decode rows; None when no row has an adapter."""
-        slot_of = {name: i for i, name in enumerate(self.adapters)}
+        slot_of = {name: i for i, name in enumerate(self.slots)}
         decodes = [slot_of[name] if name is not None else -1 for _, _, name in runs[:num_decodes]]
         segments = [(start, start + n, slot_of[name]) for start, n, name in runs[num_decodes:] if name is not None]
         if not segments and all(s < 0 for s in decodes):
@@ -131,6 +172,7 @@ class LoraRegistry:
 
     def _restack(self) -> None:
         model, adapters = self.model, list(self.adapters.values())
+        self.slots = list(self.adapters)
         for i, layer in zip(model.layer_indices(), model.layers, strict=True):
             stacks = {p: stack_projection(adapters, i, p, model.cfg, model.dtype, model.device) for p in PROJECTIONS}
             layer.lora = {p: s for p, s in stacks.items() if s is not None} or None

@@ -202,7 +202,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.model_name = engine.cfg.model
         # The LoRA adapters served, name -> directory; changed only by load_lora / unload_lora
-        self.lora_adapters = {n: str(a.path) for n, a in engine.lora.adapters.items()} if engine.lora else {}
+        self.lora_adapters = dict(engine.lora.known) if engine.lora else {}
         self.engine_config = engine.cfg
         self.block_size = engine.cfg.block_size
         self.enable_prefix_caching = engine.cfg.enable_prefix_caching

@@ -89,7 +89,7 @@ def test_missing_and_corrupt_files(adapter, tmp_path):
 def test_a_request_for_an_unknown_adapter_is_a_clear_error_and_the_engine_goes_on(adapter):
     base, path = adapter
     llm = LLM(str(base), dtype="float32", lora_adapters={"a": str(path)})
-    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'b' \\(loaded: a\\)"):
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'b' \\(served: a\\)"):
         llm.generate(["hello"], SamplingParams(max_tokens=2), lora="b")
     assert llm.generate(["hello"], SamplingParams(max_tokens=2, ignore_eos=True), lora="a")[0].outputs[0].token_ids
     with pytest.raises(InvalidRequestError, match="serves none"):
@@ -107,3 +107,28 @@ def test_an_adapter_in_use_is_neither_replaced_nor_unloaded(adapter):
         llm.engine.step()
     llm.engine.unload_lora("a")
     assert llm.engine.lora.adapters == {}
+
+
+def test_a_memory_budget_keeps_the_recently_used_adapters_and_reloads_the_rest(tiny_checkpoint, tmp_path):
+    """Room for two of three adapters: the least recently used idle one makes way, is read again when named,
+    and gives the same tokens; adapters requests are running with are never evicted."""
+    base = tiny_checkpoint("llama")
+    paths = {n: str(make_adapter(base, tmp_path / n, seed=i)) for i, n in enumerate("abc")}
+    unlimited = LLM(str(base), dtype="float32", lora_adapters=paths)
+    one = unlimited.engine.lora.adapter_bytes(unlimited.engine.lora.adapters["a"])
+    llm = LLM(str(base), dtype="float32", lora_adapters=paths, lora_memory=2 * one)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = {n: unlimited.generate(["hello there"], greedy, lora=n)[0].outputs[0].token_ids for n in "abc"}
+    assert list(llm.engine.lora.adapters) == ["b", "c"]  # a, read first, made way for c at start-up
+    for name in "abcab":
+        assert llm.generate(["hello there"], greedy, lora=name)[0].outputs[0].token_ids == want[name]
+        assert name in llm.engine.lora.adapters and len(llm.engine.lora.adapters) == 2
+    loads = llm.engine.lora.loads
+    llm.engine.add_request("hello", greedy, lora="a")
+    llm.engine.add_request("hello", greedy, lora="b")
+    with pytest.raises(InvalidRequestError, match="no room for LoRA adapter 'c'"):
+        llm.engine.add_request("hello", greedy, lora="c")
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.generate(["hello there"], greedy, lora="c")[0].outputs[0].token_ids == want["c"]
+    assert llm.engine.lora.loads == loads + 1
