@@ -15,10 +15,11 @@ import msgspec
 
 from kvyard.engine.block_manager import HASH_FUNCTION, ROOT_HASH
 
-# How a request's cache salt enters the hash. The engine supports a salt (Request.cache_salt) but the HTTP
-# API does not take one yet, so every served request hashes with the empty salt. Whoever wires vLLM's
-# `cache_salt` field into the server changes this string, and the router must then hash with it too.
-SALT_SCHEME = "none: served requests hash with the empty salt"
+# How a request's cache salt enters the hash. The HTTP API takes no `cache_salt` yet: a request for the base
+# model hashes with the empty salt, and one for a LoRA adapter with the adapter's content digest (bytes of its
+# sha256, kvyard/lora/adapter.py), so the router's hashes of adapter requests find nothing (a cache miss, never a
+# wrong hit) until it learns the digests. Whoever wires vLLM's `cache_salt` field in changes this string.
+SALT_SCHEME = "base model: the empty salt; a LoRA adapter: its content digest"
 
 # The fields that decide whether two sides compute identical hashes for identical requests.
 HASH_FIELDS = ("block_size", "hash_function", "hash_seed", "salt_scheme", "tokenizer_fingerprint")
