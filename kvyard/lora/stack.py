@@ -105,6 +105,7 @@ class LoraRegistry:
         self.memory_budget = memory_budget  # bytes of stacked weights the loaded adapters may take; 0: no limit
         self.busy = busy  # whether a request is running with the adapter of this name
         self.known: dict[str, str] = {}  # every adapter served: name -> its directory
+        self.digests: dict[str, str] = {}  # and its content digest (what its prefix-cache blocks are salted with)
         self.adapters: OrderedDict[str, LoraAdapter] = OrderedDict()  # the loaded, least recently used first
         self.slots: list[str] = []  # the loaded by slot, as stacked (use reorders `adapters`, never the stacks)
         self.loads = 0  # adapters read from disk, first loads and reloads after an eviction
@@ -114,7 +115,7 @@ class LoraRegistry:
         adapter = load_adapter(name, path, self.model.cfg)
         self.adapters.pop(name, None)
         self._admit(adapter)
-        self.known[name] = path
+        self.known[name], self.digests[name] = path, adapter.digest
         return adapter
 
     def acquire(self, name: str) -> LoraAdapter:
@@ -132,7 +133,7 @@ class LoraRegistry:
     def unload(self, name: str) -> None:
         if name not in self.known:
             self.acquire(name)  # the unknown adapter's error
-        del self.known[name]
+        del self.known[name], self.digests[name]
         if self.adapters.pop(name, None) is not None:
             self._restack()
 

@@ -127,7 +127,11 @@ def build_router_app(settings: RouterSettings, tokenizer: Any, controller: Any =
         st = state()
         block_size = st.registry.block_size
         tokens = await st.prompts.token_ids(path, body) if block_size else None
-        req = route_request(tokens, block_size or 1)
+        # A LoRA adapter's request goes to a worker serving it, hashed with the adapter's salt; one no worker
+        # serves goes anywhere, for the worker to answer that the model does not exist
+        digest = st.registry.adapter_digest(body.get("model"))
+        req = route_request(tokens, block_size or 1, bytes.fromhex(digest) if digest else b"",
+                            body["model"] if digest else None)
         pair = st.shadow.offer(path, body, tokens) if st.shadow is not None else None
         watch = pair.reader("primary") if pair is not None else None
         policy = None

@@ -23,12 +23,14 @@ class Decision:
     reason: str
 
 
-def route_request(token_ids: list[int] | None, block_size: int, salt: bytes = b"") -> RouteRequest:
+def route_request(token_ids: list[int] | None, block_size: int, salt: bytes = b"", adapter: str | None = None
+                  ) -> RouteRequest:
     """The request as placement sees it; without tokens (they could not be computed) it is cache-blind."""
     if not token_ids:
-        return RouteRequest([], 0, 0)
+        return RouteRequest([], 0, 0, adapter)
     n = len(token_ids)
-    return RouteRequest(block_hashes(token_ids, block_size, salt), (n - 1) // block_size, -(-n // block_size))
+    return RouteRequest(block_hashes(token_ids, block_size, salt), (n - 1) // block_size, -(-n // block_size),
+                        adapter)
 
 
 class Placement:
@@ -63,7 +65,8 @@ class Placement:
         count_hits: bool = True,
     ) -> Decision | None:
         """Choose among `live` (default: the decode pool) with `policy` (default: the router's)."""
-        live = [w for w in (self.live() if live is None else live) if w.url not in exclude]
+        live = [w for w in (self.live() if live is None else live)
+                if w.url not in exclude and (req.adapter is None or w.serves_adapter(req.adapter))]
         if not live:
             return None
         policy = policy or self.policy

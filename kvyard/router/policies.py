@@ -30,6 +30,7 @@ class RouteRequest:
     hashes: list[bytes]  # every full block of the prompt: what the worker will cache
     matchable: int  # how many of them a worker can reuse (the engine always recomputes the last token)
     num_blocks: int  # the prompt's size in blocks, full or not: its load while in flight
+    adapter: str | None = None  # the LoRA adapter it names: only workers serving it may take it
 
 
 class Policy(Protocol):

@@ -219,6 +219,24 @@ class WorkerRegistry:
                 w.error = f"handshake failed: {type(e).__name__}: {e}"
                 return
         await self._sample_metrics(w)
+        await self._refresh_adapters(w)
+
+    async def _refresh_adapters(self, w: Worker) -> None:
+        """The LoRA adapters the worker serves now (they load and unload at run time), from its /kv/config."""
+        if w.config is None:
+            return
+        try:
+            got = await fetch_kv_config(self.client, w.url, self.s.health_timeout)
+        except (HandshakeError, httpx.HTTPError):
+            return  # the next check tries again; until then the last list stands
+        if got.lora_adapters != w.config.lora_adapters:
+            w.config = msgspec.structs.replace(w.config, lora_adapters=got.lora_adapters)
+
+    def adapter_digest(self, name: object) -> str | None:
+        """The content digest of the LoRA adapter `name` as a routable worker serves it; None if none does."""
+        if not isinstance(name, str):
+            return None
+        return next((w.config.lora_adapters[name] for w in self.routable() if w.serves_adapter(name)), None)
 
     async def _sample_metrics(self, w: Worker) -> None:
         try:

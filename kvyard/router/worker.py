@@ -40,6 +40,9 @@ class Worker:
     def role(self) -> str:
         return self.config.role if self.config else "both"
 
+    def serves_adapter(self, name: str) -> bool:
+        return self.config is not None and name in self.config.lora_adapters
+
     def serves(self, pool: str) -> bool:
         """Whether the worker belongs to a pool: `decode` (generates) or `prefill` (prefills for others)."""
         if pool == "prefill":

@@ -203,6 +203,7 @@ class AsyncEngine:
         self.model_name = engine.cfg.model
         # The LoRA adapters served, name -> directory; changed only by load_lora / unload_lora
         self.lora_adapters = dict(engine.lora.known) if engine.lora else {}
+        self.lora_digests = dict(engine.lora.digests) if engine.lora else {}  # name -> content digest (hex)
         self.engine_config = engine.cfg
         self.block_size = engine.cfg.block_size
         self.enable_prefix_caching = engine.cfg.enable_prefix_caching
@@ -309,11 +310,12 @@ class AsyncEngine:
     async def load_lora(self, name: str, path: str) -> None:
         """Serve the LoRA adapter at `path` as `name` (read on the engine thread, between steps)."""
         adapter = await self._on_engine_thread(lambda engine: engine.load_lora(name, path))
-        self.lora_adapters[name] = str(adapter.path)
+        self.lora_adapters[name], self.lora_digests[name] = str(adapter.path), adapter.digest
 
     async def unload_lora(self, name: str) -> None:
         await self._on_engine_thread(lambda engine: engine.unload_lora(name))
         self.lora_adapters.pop(name, None)
+        self.lora_digests.pop(name, None)
 
     async def _on_engine_thread(self, fn: Callable[[LLMEngine], Any]) -> Any:
         if not self.is_running:

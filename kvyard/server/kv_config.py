@@ -37,6 +37,8 @@ class KVConfig(msgspec.Struct, frozen=True):
     events_endpoint: str | None = None  # tcp://host:port of the KV event PUB socket; None: no events
     role: str = "both"  # prefill / decode / both (disaggregated serving, kvyard/server/disagg.py)
     kv_transfer_endpoint: str | None = None  # where decode workers pull this worker's prefilled KV
+    # The LoRA adapters it serves now: name -> content digest (hex), each adapter's requests' salt
+    lora_adapters: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

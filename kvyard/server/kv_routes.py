@@ -47,10 +47,10 @@ def install_kv_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSetting
         role=settings.role,
         kv_transfer_endpoint=disagg.endpoint,
     )
-    body = msgspec.json.encode(config)
 
     @app.get("/kv/config")
-    async def kv_config() -> Response:
+    async def kv_config() -> Response:  # the adapters as they are now: they load and unload at run time
+        body = msgspec.json.encode(msgspec.structs.replace(config, lora_adapters=dict(engine.lora_digests)))
         return Response(body, media_type="application/json")
 
     @app.post("/kv/prefill")
