@@ -22,6 +22,7 @@ from kvyard.config import EngineConfig
 from kvyard.llm import LLM
 from kvyard.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, module_shape
 from kvyard.models.config import ModelConfig
+from kvyard.plan.model_spec import from_source
 from kvyard.sampling_params import SamplingParams
 
 
@@ -57,9 +58,7 @@ def _tok_s(llm: LLM, requests: int, input_len: int, output_len: int, seed: int,
 
 def run_lora_bench(args: argparse.Namespace) -> int:
     targets = args.targets.split(",")
-    probe = LLM(config=EngineConfig(model=args.model, dtype=args.dtype))
-    cfg = probe.engine.model_config
-    del probe
+    cfg = from_source(args.model).config  # the shapes only: the engine loads the weights once, below
     root = Path(args.adapter_dir) / f"r{args.rank}-{'-'.join(targets)}"
     paths = {f"adapter-{i}": str(write_random_adapter(cfg, root / f"adapter-{i}", args.rank, targets, seed=i))
              for i in range(args.adapters)}

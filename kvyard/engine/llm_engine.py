@@ -216,37 +216,40 @@ class LLMEngine:
                               f"{cfg.model_type}{' with experts' if cfg.num_experts else ''}", param="lora_adapters")
         if self._workers is not None or self.cfg.tensor_parallel_size > 1 or self.cfg.pipeline_parallel_size > 1:
             raise ConfigError("model parallelism does not yet work with LoRA adapters", param="lora_adapters")
-        model.adapters = LoraRegistry(model, self.cfg.lora_memory, busy=self._lora_busy)
+        model.adapters = LoraRegistry(model, self.cfg.lora_memory, busy=lambda name: self._lora_requests(name) > 0)
         return model.adapters
 
     def load_lora(self, name: str, path: str) -> LoraAdapter:
         """Serve the adapter at `path` as `name` from the next step on, replacing one of that name (requests
         running with the old one must finish first: its KV and its tokens belong to it)."""
-        if self.lora is not None and name in self.lora.adapters:
-            self._refuse_while_in_use(name, "replaced")
         if self.lora is None:
             self.lora = self._new_lora_registry(self.runner.model)
+        self._refuse_while_in_use(name, "replaced")
         return self.lora.load(name, path)
 
     def unload_lora(self, name: str) -> None:
-        self._adapter(name)
+        if self.lora is None:
+            raise InvalidRequestError(f"unknown LoRA adapter {name!r}: this engine serves none", param="lora_name")
         self._refuse_while_in_use(name, "unloaded")
-        self.lora.unload(name)  # type: ignore[union-attr]
+        self.lora.unload(name)
 
     def _refuse_while_in_use(self, name: str, what: str) -> None:
-        running = sum(1 for t in self._tracked.values() if t.req.lora == name)
+        running = self._lora_requests(name)
         if running:
             raise InvalidRequestError(f"LoRA adapter {name!r} cannot be {what} while {running} request(s) run with "
                                       f"it", param="lora_name")
 
-    def _adapter(self, name: str) -> LoraAdapter:
-        """The adapter `name`, loaded for the next step (read again if the memory budget had evicted it)."""
+    def _bind_adapter(self, req: Request, name: str) -> None:
+        """Run `req` with the adapter `name`, loaded for the next step (read again if the memory budget had
+        evicted it). Its content, not its name, salts the request's prefix-cache blocks: a reload never meets
+        stale KV."""
         if self.lora is None:
             raise InvalidRequestError(f"unknown LoRA adapter {name!r}: this engine serves none", param="model")
-        return self.lora.acquire(name)
+        req.lora, req.cache_salt = name, bytes.fromhex(self.lora.acquire(name).digest)
 
-    def _lora_busy(self, name: str) -> bool:
-        return any(t.req.lora == name for t in getattr(self, "_tracked", {}).values())  # none while building
+    def _lora_requests(self, name: str) -> int:
+        """Requests queued or running with the adapter `name` (none while the engine is being built)."""
+        return sum(1 for t in getattr(self, "_tracked", {}).values() if t.req.lora == name)
 
     def _refuse_with_parallelism(self, model: "ModelConfig") -> None:
         cfg = self.cfg
@@ -378,8 +381,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids, hold_kv=hold_kv)
         if lora is not None:
-            # The adapter's content, not its name, keys its prefix-cache blocks: a reload never meets stale KV
-            req.lora, req.cache_salt = lora, bytes.fromhex(self._adapter(lora).digest)
+            self._bind_adapter(req, lora)
         if params.structured_output is not None:
             req.grammar = self._grammar_state(params.structured_output)
             if req.grammar.tokens_to_close(params.max_tokens) is None:
@@ -730,8 +732,7 @@ class LLMEngine:
         self._check_prompt(token_ids)
         req = Request("score", token_ids, SamplingParams(max_tokens=1, temperature=0.0))
         if lora is not None:
-            self._adapter(lora)
-            req.lora = lora
+            self._bind_adapter(req, lora)
         if not self.blocks.can_fit(req, len(token_ids)):
             raise PromptTooLongError("not enough free KV blocks to score this prompt now", param="prompt")
         self.blocks.grow(req, len(token_ids))

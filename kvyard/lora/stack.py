@@ -26,6 +26,15 @@ PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up
                "down": ("down_proj",)}
 
 
+@dataclass(frozen=True)
+class ServedAdapter:
+    """What is known of an adapter served by name, loaded or not: where it is read from, and its content digest
+    (the salt of its prefix-cache blocks)."""
+
+    path: str
+    digest: str
+
+
 @dataclass
 class LoraRows:
     """A step's rows that run with an adapter: the decode rows (one a request, first in the step) by slot, and
@@ -104,8 +113,7 @@ class LoraRegistry:
         self.model = model
         self.memory_budget = memory_budget  # bytes of stacked weights the loaded adapters may take; 0: no limit
         self.busy = busy  # whether a request is running with the adapter of this name
-        self.known: dict[str, str] = {}  # every adapter served: name -> its directory
-        self.digests: dict[str, str] = {}  # and its content digest (what its prefix-cache blocks are salted with)
+        self.served: dict[str, ServedAdapter] = {}  # every adapter served, loaded or not
         self.adapters: OrderedDict[str, LoraAdapter] = OrderedDict()  # the loaded, least recently used first
         self.slots: list[str] = []  # the loaded by slot, as stacked (use reorders `adapters`, never the stacks)
         self.loads = 0  # adapters read from disk, first loads and reloads after an eviction
@@ -115,25 +123,25 @@ class LoraRegistry:
         adapter = load_adapter(name, path, self.model.cfg)
         self.adapters.pop(name, None)
         self._admit(adapter)
-        self.known[name], self.digests[name] = path, adapter.digest
+        self.served[name] = ServedAdapter(path, adapter.digest)
         return adapter
 
     def acquire(self, name: str) -> LoraAdapter:
         """The adapter `name`, loaded (again, if it was evicted) and marked the most recently used."""
-        if name not in self.known:
-            served = ", ".join(sorted(self.known)) or "none"
+        if name not in self.served:
+            served = ", ".join(sorted(self.served)) or "none"
             raise InvalidRequestError(f"unknown LoRA adapter {name!r} (served: {served})", param="model")
         if name in self.adapters:
             self.adapters.move_to_end(name)
             return self.adapters[name]
-        adapter = load_adapter(name, self.known[name], self.model.cfg)
+        adapter = load_adapter(name, self.served[name].path, self.model.cfg)
         self._admit(adapter)
         return adapter
 
     def unload(self, name: str) -> None:
-        if name not in self.known:
+        if name not in self.served:
             self.acquire(name)  # the unknown adapter's error
-        del self.known[name], self.digests[name]
+        del self.served[name]
         if self.adapters.pop(name, None) is not None:
             self._restack()
 

@@ -299,7 +299,8 @@ class DecoderModel:
     def _mlp(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         if layer.moe is not None:
             return moe_mlp(h, layer.moe, silu_mul)
-        adapted = self._adapter_rows is not None and layer.lora is not None
+        # oneDNN's fused gate|up (prefill-sized steps) unless this step's adapters change gate|up's output
+        adapted = self._adapter_rows is not None and layer.lora is not None and "gate_up" in layer.lora
         gated = None if adapted else gated_mlp_input(h, layer.gate_up)  # type: ignore[arg-type]
         gate_up = silu_mul(self._project(h, layer, "gate_up", layer.gate_up)) if gated is None else gated
         return self._project(gate_up, layer, "down", layer.down)

@@ -42,6 +42,7 @@ from kvyard.engine.kv_events import KVEvent
 from kvyard.engine.kv_handoff import HeldKV
 from kvyard.engine.llm_engine import LLMEngine
 from kvyard.errors import EngineDeadError, KvyardError
+from kvyard.lora.stack import ServedAdapter
 from kvyard.models.moe import routing_stats
 from kvyard.outputs import RequestOutput
 from kvyard.parallel.expert import rank_loads
@@ -201,9 +202,8 @@ class AsyncEngine:
         self.generation_defaults = dict(engine.generation_defaults)
         self.max_model_len = engine.max_model_len
         self.model_name = engine.cfg.model
-        # The LoRA adapters served, name -> directory; changed only by load_lora / unload_lora
-        self.lora_adapters = dict(engine.lora.known) if engine.lora else {}
-        self.lora_digests = dict(engine.lora.digests) if engine.lora else {}  # name -> content digest (hex)
+        # The LoRA adapters served (a copy of the engine's registry); changed only by load_lora / unload_lora
+        self.lora_adapters: dict[str, ServedAdapter] = dict(engine.lora.served) if engine.lora else {}
         self.engine_config = engine.cfg
         self.block_size = engine.cfg.block_size
         self.enable_prefix_caching = engine.cfg.enable_prefix_caching
@@ -310,12 +310,11 @@ class AsyncEngine:
     async def load_lora(self, name: str, path: str) -> None:
         """Serve the LoRA adapter at `path` as `name` (read on the engine thread, between steps)."""
         adapter = await self._on_engine_thread(lambda engine: engine.load_lora(name, path))
-        self.lora_adapters[name], self.lora_digests[name] = str(adapter.path), adapter.digest
+        self.lora_adapters[name] = ServedAdapter(str(adapter.path), adapter.digest)
 
     async def unload_lora(self, name: str) -> None:
         await self._on_engine_thread(lambda engine: engine.unload_lora(name))
         self.lora_adapters.pop(name, None)
-        self.lora_digests.pop(name, None)
 
     async def _on_engine_thread(self, fn: Callable[[LLMEngine], Any]) -> Any:
         if not self.is_running:

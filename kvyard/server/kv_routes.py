@@ -50,7 +50,8 @@ def install_kv_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSetting
 
     @app.get("/kv/config")
     async def kv_config() -> Response:  # the adapters as they are now: they load and unload at run time
-        body = msgspec.json.encode(msgspec.structs.replace(config, lora_adapters=dict(engine.lora_digests)))
+        digests = {name: served.digest for name, served in engine.lora_adapters.items()}
+        body = msgspec.json.encode(msgspec.structs.replace(config, lora_adapters=digests))
         return Response(body, media_type="application/json")
 
     @app.post("/kv/prefill")

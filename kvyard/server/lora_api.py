@@ -26,8 +26,8 @@ class UnloadLoraAdapterRequest(OpenAIModel):
 
 def adapter_cards(ctx: ServerContext) -> list[ModelCard]:
     """A card per served adapter, its parent the base model."""
-    return [ModelCard(id=name, created=ctx.created, max_model_len=ctx.engine.max_model_len, root=path,
-                      parent=ctx.model_name) for name, path in sorted(ctx.engine.lora_adapters.items())]
+    return [ModelCard(id=name, created=ctx.created, max_model_len=ctx.engine.max_model_len, root=served.path,
+                      parent=ctx.model_name) for name, served in sorted(ctx.engine.lora_adapters.items())]
 
 
 def _check_enabled(ctx: ServerContext) -> None:
