@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from kvyard.errors import KvyardError
 from kvyard.loader.checkpoint import load_checkpoint
+from kvyard.loader.hf_model import hf_causal_lm
 from kvyard.loader.registry import resolve_model
 
 SPEC_DATA = Path(__file__).resolve().parent.parent / "bench" / "spec_data"
@@ -61,7 +62,7 @@ def split_model(model: str, experts: int, top_k: int, out: Path, calibration_pro
         raise KvyardError(f"moe split: {experts} experts must divide the MLP's {cfg.intermediate_size} neurons, "
                           f"and --top-k must be 1 to {experts} (got {top_k})")
     weights = {name: t.float() for name, t in ckpt.tensors()}
-    dense = _hf_model(ckpt.hf_config, weights)
+    dense = hf_causal_lm(ckpt.hf_config, weights)
     texts = _texts(ckpt, dense, calibration_prompts + eval_prompts)
     calibration, evaluation = texts[:calibration_prompts], texts[calibration_prompts:]
     routers = _fit_routers(dense, calibration, experts, cfg.intermediate_size // experts) if top_k < experts else None
@@ -74,19 +75,6 @@ def split_model(model: str, experts: int, top_k: int, out: Path, calibration_pro
               "calibration_tokens": sum(len(t) for t in calibration), **_divergence(dense, moe, evaluation)}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
-
-
-def _hf_model(hf_config: dict[str, Any], weights: dict[str, torch.Tensor]) -> Any:
-    import transformers
-
-    config = transformers.AutoConfig.for_model(**hf_config)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    missing, _ = model.load_state_dict(weights, strict=False)
-    if [m for m in missing if m != "lm_head.weight"]:
-        raise KvyardError(f"moe split: the checkpoint lacks {missing[:4]}")
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model
 
 
 def _texts(ckpt: Any, dense: Any, count: int) -> list[list[int]]:

@@ -84,7 +84,7 @@ def score_pair(request_id: str, primary: Answer, candidate: Answer, greedy: bool
         kl_mean=sum(kls) / len(kls) if kls else 0.0,
         kl_max=max(kls, default=0.0),
         top1_agreement=sum(agree) / len(agree) if agree else 1.0,
-        json_valid=(_is_json(primary.text), _is_json(candidate.text)),
+        json_valid=(is_json(primary.text), is_json(candidate.text)),
         tools_agree=tools,
         ttft_delta_s=None if primary.ttft_s is None or candidate.ttft_s is None else candidate.ttft_s - primary.ttft_s,
         itl_delta_s=_mean(candidate.itl_s) - _mean(primary.itl_s) if primary.itl_s and candidate.itl_s else None,
@@ -105,7 +105,7 @@ def _calls(calls: list[dict[str, Any]] | None) -> list[tuple[str, Any]]:
     return out
 
 
-def _is_json(text: str) -> bool:
+def is_json(text: str) -> bool:
     try:
         json.loads(text)
     except (json.JSONDecodeError, ValueError):

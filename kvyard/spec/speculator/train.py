@@ -7,7 +7,6 @@ the engine will see: for a drafter that reads only tokens, drafting continues on
 draft was right, so the accepted run from a position is the run of teacher-forced argmax matches there.
 """
 
-import math
 import pickle
 import random
 import time
@@ -27,6 +26,7 @@ from kvyard.spec.speculator.evaluate import evaluate
 from kvyard.spec.speculator.format import EMBED, HEAD, SpeculatorConfig, save_speculator, target_fingerprint
 from kvyard.spec.speculator.model import Drafter, choose_draft_vocab
 from kvyard.spec.speculator.prompts import read_prompts
+from kvyard.training import batches, step, warmup_cosine
 
 
 def train_speculator(cfg: TrainConfig) -> dict:
@@ -104,21 +104,6 @@ def target_tensors(ckpt: Checkpoint, layers: list[int]) -> dict[str, torch.Tenso
     return out
 
 
-def batches(samples: list[Sample], batch_tokens: int, rng: random.Random) -> list[list[Sample]]:
-    """Samples of similar length together, at most `batch_tokens` padded tokens per batch, in random order."""
-    ordered = sorted(samples, key=lambda s: len(s.token_ids))
-    out, cur = [], []
-    for s in ordered:
-        if cur and (len(cur) + 1) * len(s.token_ids) > batch_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(s)
-    if cur:
-        out.append(cur)
-    rng.shuffle(out)
-    return out
-
-
 def _inputs(batch: list[Sample]) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
     """Right-padded token ids, and per sample (row, first logits position, number of output positions)."""
     width = max(len(s.token_ids) for s in batch) - 1  # the last token predicts nothing
@@ -157,24 +142,16 @@ def fit(drafter: Drafter, samples: list[Sample], cfg: TrainConfig) -> list[float
     inverse = _inverse(drafter)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    plan = [batches(samples, cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
+    plan = [batches(samples, cfg.batch_tokens, rng, lambda s: len(s.token_ids)) for _ in range(cfg.epochs)]
     total = sum(len(p) for p in plan)
     warmup = max(1, total // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total)))
-    )
+    sched = warmup_cosine(opt, total, warmup)
     drafter.train()
     losses: list[float] = []
     bar = tqdm(total=total, desc="train", disable=not cfg.progress)
     for epoch_batches in plan:
         for batch in epoch_batches:
-            loss = _loss(drafter, batch, inverse, cfg.loss == "soft")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
+            losses.append(step(_loss(drafter, batch, inverse, cfg.loss == "soft"), opt, sched, params))
             bar.update(1)
             bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
     bar.close()
