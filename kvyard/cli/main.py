@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvyard.bench.disagg import add_disagg_bench_parser
     from kvyard.bench.kv_transfer import add_kv_transfer_bench_parser
     from kvyard.bench.lora import add_lora_bench_parser
+    from kvyard.bench.lora_loop import add_lora_loop_bench_parser
     from kvyard.bench.offline import add_offline_bench_parser
     from kvyard.bench.offload import add_offload_bench_parser
     from kvyard.bench.plan import add_plan_bench_parser
@@ -107,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_step_profile_parser(bench)
     add_plan_bench_parser(bench)
     add_lora_bench_parser(bench)
+    add_lora_loop_bench_parser(bench)
     return parser
 
 

@@ -3,8 +3,11 @@ reported from the medians."""
 
 import json
 
+from kvyard.bench.lora_loop import INSTRUCTION, is_exact
 from kvyard.cli.main import main
+from kvyard.loader.checkpoint import load_checkpoint
 from kvyard.lora.adapter import load_adapter
+from kvyard.net import free_port
 
 
 def test_the_lora_bench_reports_rounds_and_the_ratio(tiny_checkpoint, tmp_path, capsys):
@@ -19,7 +22,28 @@ def test_the_lora_bench_reports_rounds_and_the_ratio(tiny_checkpoint, tmp_path, 
     assert abs(result["ratio"] - result["lora_tok_s"] / result["base_tok_s"]) < 1e-9
     written = sorted((tmp_path / "adapters").glob("*/adapter-*"))
     assert len(written) == 3
-    from kvyard.loader.checkpoint import load_checkpoint
-
     adapter = load_adapter("x", written[0], load_checkpoint(tiny_checkpoint("llama")).config)
     assert adapter.max_rank == 4 and {m for _, m in adapter.modules} == {"q_proj", "down_proj"}
+
+
+def test_the_loop_bench_captures_trains_hot_loads_and_scores(tiny_checkpoint, tmp_path):
+    """The whole loop on a tiny random model (its answers are never right: the figures are the real model's)."""
+    out = tmp_path / "loop.json"
+    assert main(["bench", "lora-loop", "--model", str(tiny_checkpoint("llama")), "--dtype", "float32",
+                 "--port", str(free_port()), "--train-requests", "12", "--eval-requests", "4", "--max-tokens", "6",
+                 "--keep", "all", "--epochs", "2", "--startup-timeout", "120", "--work-dir", str(tmp_path / "w"),
+                 "--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    captured = (tmp_path / "w" / "capture" / "all.jsonl").read_text().splitlines()
+    assert len(captured) == 12 and all(json.loads(line)["prompt"].count(INSTRUCTION.strip()) for line in captured)
+    assert result["train_examples"] == {"train": 11, "held_out": 1}
+    assert set(result["eval"]) == {"base_bare", "base_instructed", "adapter_bare"}
+    assert result["eval"]["base_instructed"]["prompt_tokens"] > result["eval"]["base_bare"]["prompt_tokens"]
+    assert result["eval"]["adapter_bare"]["prompt_tokens"] == result["eval"]["base_bare"]["prompt_tokens"]
+    assert load_adapter("task", tmp_path / "w" / "adapter", load_checkpoint(tiny_checkpoint("llama")).config)
+
+
+def test_the_task_metric_wants_the_exact_object():
+    assert is_exact(' {"city": "Rome", "name": "Tom"}\n', {"name": "Tom", "city": "Rome"})
+    assert not is_exact('{"name": "Tom"}', {"name": "Tom", "city": "Rome"})
+    assert not is_exact("Tom lives in Rome", {"name": "Tom", "city": "Rome"})
