@@ -5,6 +5,7 @@ GET  /v1/models                              from a live worker
 GET  /health                                 200 while at least one worker is routable
 GET  /metrics                                the router's Prometheus metrics
 GET  /shadow                                 with a shadow candidate: the latest pairs' verdict (kvyard/shadow)
+POST /shadow {shadow settings}, DELETE /shadow  mirror to a new candidate from now on, or stop mirroring
 GET  /workers, POST /workers {"url": ...}     the registry; a worker on another machine joins by URL
 """
 
@@ -21,6 +22,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from kvyard import __version__
+from kvyard.config import section_setting
 from kvyard.router.config import RouterSettings
 from kvyard.router.dashboard import add_dashboard_routes
 from kvyard.router.disagg import RemotePrefill
@@ -70,11 +72,23 @@ class RouterState:
         registry.start()
         remote = RemotePrefill(settings, registry, placement, client)
         prompts = PromptTokenizer(tokenizer)
-        shadow = None
+        state = cls(settings, client, registry, placement, proxy, prompts, registering, remote, LeastLoaded())
         if isinstance(settings.shadow, ShadowSettings):
-            shadow = Shadow(settings.shadow, client, prompts, registry.metrics.registry, registry.metrics.shadow,
-                            lambda url: registry.workers[url].in_flight if url in registry.workers else 0)
-        return cls(settings, client, registry, placement, proxy, prompts, registering, remote, LeastLoaded(), shadow)
+            state.shadow = state.new_shadow(settings.shadow)
+        return state
+
+    def new_shadow(self, settings: ShadowSettings) -> Shadow:
+        reg = self.registry
+        return Shadow(settings, self.client, self.prompts, reg.metrics.registry, reg.metrics.shadow,
+                      lambda url: reg.workers[url].in_flight if url in reg.workers else 0)
+
+    async def replace_shadow(self, settings: ShadowSettings | None) -> bool:
+        """Mirror to a new candidate from now on (None: to none); the old one's pairs in flight are dropped.
+        Returns whether there was one."""
+        old, self.shadow = self.shadow, (self.new_shadow(settings) if settings is not None else None)
+        if old is not None:
+            await old.close()
+        return old is not None
 
     async def stop(self) -> None:
         if self.shadow is not None:
@@ -185,6 +199,23 @@ def build_router_app(settings: RouterSettings, tokenizer: Any, controller: Any =
         if st.shadow is None:
             return JSONResponse(error_body(404, "this router has no shadow candidate", "no_shadow"), 404)
         return JSONResponse(st.shadow.verdict())
+
+    @app.post("/shadow")
+    async def set_shadow(request: Request) -> JSONResponse:
+        try:
+            body = await request.json()
+            if not isinstance(body, dict | str):
+                raise ValueError("expected a JSON object of shadow settings, or a URL")
+            candidate = section_setting(ShadowSettings, body, "shadow", shorthand="url")
+        except (ValueError, TypeError) as e:  # ConfigError is a ValueError; a missing url is a TypeError
+            return JSONResponse(error_body(400, f"shadow settings: {e}", "invalid_shadow"), 400)
+        replaced = await state().replace_shadow(candidate)
+        return JSONResponse({"url": candidate.url, "candidate_model": candidate.candidate_model,
+                             "replaced": replaced})
+
+    @app.delete("/shadow")
+    async def stop_shadow() -> JSONResponse:
+        return JSONResponse({"stopped": await state().replace_shadow(None)})
 
     @app.get("/workers")
     async def workers() -> JSONResponse:

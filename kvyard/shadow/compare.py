@@ -154,6 +154,9 @@ def verdict(scores: list[PairScore], budgets: Budgets, worst: int = 10) -> Verdi
         summary["exact_match"] = sum(s.exact_match for s in greedy) / len(greedy)
     if ttfts:
         summary["ttft_delta_s"] = sum(ttfts) / len(ttfts)
+    # The share of answers that are JSON on each side: a task bar for a candidate meant to change behaviour
+    summary["json_valid_primary"] = sum(s.json_valid[0] for s in scores) / len(scores)
+    summary["json_valid_candidate"] = sum(s.json_valid[1] for s in scores) / len(scores)
     checks = [(name, higher) for name, higher in (("kl_mean", False), ("kl_p99", False), ("exact_match", True),
                                                   ("ttft_delta_s", False)) if name in summary]
     failures = [f"{name} {summary[name]:.4g} against a budget of {getattr(budgets, name):g}"

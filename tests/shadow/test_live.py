@@ -151,3 +151,31 @@ def test_scoring_waits_for_the_primary_to_be_idle(make_engine, tokenizer, tiny_p
     assert "never idle" in line["errors"]["score"]
     assert _metric(metrics, 'kvyard_shadow_pairs_total{outcome="score_skipped_busy"}') == 1
     assert _metric(metrics, "kvyard_shadow_kl_count") == 0
+
+
+def test_a_candidate_is_set_and_stopped_at_run_time(make_engine, tokenizer, tiny_path):  # noqa: F811
+    """POST /shadow starts mirroring to a candidate without a restart, DELETE /shadow stops it; bad settings are
+    a 400 that leaves the current candidate in place."""
+    with running_worker(make_engine()) as worker, \
+            running_server(make_engine(), served_model_name="candidate") as candidate, \
+            running_router(tokenizer, workers=[worker.url], model=str(tiny_path)) as router:
+        get = lambda: httpx.get(router.url + "/shadow", timeout=10, trust_env=False)  # noqa: E731
+        assert get().status_code == 404
+        _ask(router.url, "/v1/completions", {"prompt": "before", "model": str(tiny_path)})  # not mirrored
+        set_ = httpx.post(router.url + "/shadow", json={"url": candidate.url, "candidate_model": "candidate",
+                                                         "score": 0.0}, timeout=10, trust_env=False)
+        assert set_.status_code == 200 and set_.json() == {"url": candidate.url, "candidate_model": "candidate",
+                                                           "replaced": False}
+        for prompt in ("one", "two"):
+            _ask(router.url, "/v1/completions", {"prompt": prompt, "model": str(tiny_path)})
+        assert wait_until(lambda: get().json()["summary"].get("requests") == 2, 60)
+        summary = get().json()["summary"]
+        assert summary["exact_match"] == 1.0 and summary["scored_requests"] == 0  # score 0: compared, not forced
+        assert summary["json_valid_primary"] == summary["json_valid_candidate"]
+        for bad in ({"url": candidate.url, "sample": 2}, {"sample": 0.5}, {"url": candidate.url, "colour": 1}, [1]):
+            r = httpx.post(router.url + "/shadow", json=bad, timeout=10, trust_env=False)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_shadow", bad
+        assert get().json()["summary"]["requests"] == 2  # the candidate is still there
+        assert httpx.delete(router.url + "/shadow", timeout=10, trust_env=False).json() == {"stopped": True}
+        assert get().status_code == 404
+        assert httpx.delete(router.url + "/shadow", timeout=10, trust_env=False).json() == {"stopped": False}
