@@ -33,7 +33,7 @@ from kvyard.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.loader.checkpoint import Checkpoint, load_checkpoint
 from kvyard.loader.registry import resolve_model
-from kvyard.lora.adapter import LORA_FAMILIES, LoraAdapter
+from kvyard.lora.adapter import LORA_FAMILIES, LoraAdapter, load_adapter
 from kvyard.lora.stack import LoraRegistry
 from kvyard.models.build import build_model
 from kvyard.models.decoder import DecoderModel
@@ -162,6 +162,7 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         self._tracked: dict[str, _Tracked] = {}
+        self._retired_adapters: set[str] = set()  # LoRA adapters replaced while requests ran with them
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, reported next step
         self._ids = itertools.count()
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
@@ -220,12 +221,26 @@ class LLMEngine:
         return model.adapters
 
     def load_lora(self, name: str, path: str) -> LoraAdapter:
-        """Serve the adapter at `path` as `name` from the next step on, replacing one of that name (requests
-        running with the old one must finish first: its KV and its tokens belong to it)."""
+        """Serve the adapter at `path` as `name` from the next step on, replacing one of that name. Requests
+        running with the old one finish with it (their KV and tokens belong to it): it is renamed for them,
+        out of sight of new requests, and unloaded once the last of them is done (`_drop_retired`)."""
         if self.lora is None:
             self.lora = self._new_lora_registry(self.runner.model)
-        self._refuse_while_in_use(name, "replaced")
-        return self.lora.load(name, path)
+        adapter = load_adapter(name, path, self.lora.model.cfg)  # read first: a bad file changes nothing
+        if self._lora_requests(name):
+            retired = f"{name}@{self.lora.served[name].digest[:16]}"
+            self.lora.rename(name, retired)
+            for t in self._tracked.values():
+                if t.req.lora == name:
+                    t.req.lora = retired
+            self._retired_adapters.add(retired)
+        return self.lora.serve(name, path, adapter)
+
+    def _drop_retired(self) -> None:
+        """Unload the replaced adapters whose last request has finished."""
+        for name in [n for n in self._retired_adapters if not self._lora_requests(n)]:
+            self._retired_adapters.discard(name)
+            self.lora.unload(name)
 
     def unload_lora(self, name: str) -> None:
         if self.lora is None:
@@ -486,6 +501,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        if self._retired_adapters:
+            self._drop_retired()
         restoring_before = self.offload.seconds_restoring if self.offload is not None else 0.0
         outputs, self._pending = self._pending, []
         if self.spec is not None:

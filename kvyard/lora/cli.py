@@ -1,9 +1,11 @@
-"""`kvyard lora train`: the command line of kvyard/lora/train.py."""
+"""`kvyard lora train` and `kvyard lora promote`: the command lines of kvyard/lora/train.py and promote.py."""
 
 import argparse
 import json
+from pathlib import Path
 
 from kvyard.lora.data import KEEP
+from kvyard.lora.promote import Bar, PromoteSettings, print_report, promote
 from kvyard.lora.train import DEFAULT_TARGETS, TrainSettings, train_adapter
 
 
@@ -34,6 +36,29 @@ def add_lora_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (faster with AMX or AVX512-BF16)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_train)
+
+    q = lora.add_parser("promote", help="shadow an adapter against a served name on live traffic; promote it to "
+                                        "that name only if the stated bars hold (exit 1 if not)")
+    q.add_argument("--router", required=True, help="the router's URL (its workers take run-time adapter updates)")
+    q.add_argument("--name", required=True, help="the served name the adapter becomes")
+    q.add_argument("--adapter", required=True, help="the adapter's directory, readable by every worker")
+    q.add_argument("--bar", action="append", required=True, type=Bar.parse, metavar="METRIC>=VALUE",
+                   help="a condition on the shadow verdict (repeatable): json_valid_candidate, json_gain, "
+                        "exact_match, kl_mean, ttft_delta_s, ...")
+    q.add_argument("--primary", help="the model whose live requests are mirrored (default: --name)")
+    q.add_argument("--pairs", type=int, default=32, help="compared requests before the verdict")
+    q.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for them")
+    q.add_argument("--json-out")
+    q.set_defaults(func=cmd_promote)
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    report = promote(PromoteSettings(router=args.router, name=args.name, adapter=args.adapter, bars=args.bar,
+                                     primary=args.primary, pairs=args.pairs, timeout_s=args.timeout))
+    print_report(report)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["promoted"] else 1
 
 
 def cmd_train(args: argparse.Namespace) -> int:

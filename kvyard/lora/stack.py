@@ -11,6 +11,7 @@ The engine fuses q|k|v and gate|up into one matmul each; their adapters' parts s
 writing only its part's columns of the fused output.
 """
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,7 +121,10 @@ class LoraRegistry:
 
     def load(self, name: str, path: str) -> LoraAdapter:
         """Read the adapter at `path` and serve it as `name` (replacing any adapter of that name)."""
-        adapter = load_adapter(name, path, self.model.cfg)
+        return self.serve(name, path, load_adapter(name, path, self.model.cfg))
+
+    def serve(self, name: str, path: str, adapter: LoraAdapter) -> LoraAdapter:
+        """Serve `adapter`, read from `path`, as `name` (replacing any adapter of that name)."""
         self.adapters.pop(name, None)
         self._admit(adapter)
         self.served[name] = ServedAdapter(path, adapter.digest)
@@ -137,6 +141,13 @@ class LoraRegistry:
         adapter = load_adapter(name, self.served[name].path, self.model.cfg)
         self._admit(adapter)
         return adapter
+
+    def rename(self, old: str, new: str) -> None:
+        """Serve the adapter `old` as `new`, in the same slot (its stacks stay as they are)."""
+        self.served[new] = self.served.pop(old)
+        self.adapters = OrderedDict((new if n == old else n, dataclasses.replace(a, name=new) if n == old else a)
+                                    for n, a in self.adapters.items())
+        self.slots = [new if n == old else n for n in self.slots]
 
     def unload(self, name: str) -> None:
         if name not in self.served:

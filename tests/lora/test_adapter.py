@@ -96,17 +96,32 @@ def test_a_request_for_an_unknown_adapter_is_a_clear_error_and_the_engine_goes_o
         LLM(str(base), dtype="float32").generate(["hello"], SamplingParams(max_tokens=2), lora="a")
 
 
-def test_an_adapter_in_use_is_neither_replaced_nor_unloaded(adapter):
+def test_an_adapter_replaced_while_in_use_finishes_its_requests_with_the_old_one(adapter, tmp_path):
+    """A reload under a busy name (a promotion under live traffic) never waits: the running request ends with the
+    adapter it began with, new ones take the new adapter, and the old one goes once its last request is done.
+    Unloading a busy adapter is still refused."""
     base, path = adapter
+    other = make_adapter(base, tmp_path / "other", seed=7)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    alone = LLM(str(base), dtype="float32", lora_adapters={"old": str(path), "new": str(other)})
+    want = {name: alone.generate(["hello"], greedy, lora=name)[0].outputs[0].token_ids for name in ("old", "new")}
+    assert want["old"] != want["new"]
+
     llm = LLM(str(base), dtype="float32", lora_adapters={"a": str(path)})
-    llm.engine.add_request("hello", SamplingParams(max_tokens=4), lora="a")
-    for change in (lambda: llm.engine.load_lora("a", str(path)), lambda: llm.engine.unload_lora("a")):
-        with pytest.raises(InvalidRequestError, match="while 1 request"):
-            change()
-    while llm.engine.has_unfinished_requests():
-        llm.engine.step()
-    llm.engine.unload_lora("a")
-    assert llm.engine.lora.adapters == {}
+    engine = llm.engine
+    engine.add_request("hello", greedy, request_id="began-with-old", lora="a")
+    got = {r.request_id: r for r in engine.step()}  # its prefill and first token ran with the old adapter
+    with pytest.raises(InvalidRequestError, match="while 1 request"):
+        engine.unload_lora("a")
+    engine.load_lora("a", str(other))
+    engine.add_request("hello", greedy, request_id="after-the-reload", lora="a")
+    while engine.has_unfinished_requests():
+        got.update({r.request_id: r for r in engine.step()})
+    assert got["began-with-old"].outputs[0].token_ids == want["old"]
+    assert got["after-the-reload"].outputs[0].token_ids == want["new"]
+    engine.step()  # the retired adapter goes at the next step
+    assert list(engine.lora.served) == ["a"] and list(engine.lora.adapters) == ["a"]
+    assert engine.lora.served["a"].digest == load_adapter("a", other, engine.model_config).digest
 
 
 def test_a_memory_budget_keeps_the_recently_used_adapters_and_reloads_the_rest(tiny_checkpoint, tmp_path):
