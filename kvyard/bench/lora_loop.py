@@ -6,9 +6,11 @@ traffic carries an instruction that asks for it; the adapter should make the ins
    each the instruction and a sentence, and captures them.
 2. `kvyard lora train` reads the capture, drops the instruction from the prompts, keeps only the answers that
    are JSON (the chosen completions), and fits an adapter.
-3. The adapter is loaded into the same running server (POST /v1/load_lora_adapter).
+3. `kvyard lora promote` loads it into the running worker as a candidate and shadows it against the base model
+   on live traffic (bare sentences, through a router in front of the worker): it becomes the served model
+   `task` only if the stated bars hold (default: at least 50 points more JSON answers than the base).
 4. Held-out sentences, with names and cities that no training sentence has, are sent to the base model with
-   and without the instruction and to the adapter without it, greedy; the task metric is the share of exact
+   and without the instruction and to `task` without it, greedy; the task metric is the share of exact
    answers. The gain is the adapter's share minus the base's on the same bare prompts.
 """
 
@@ -17,6 +19,7 @@ import concurrent.futures
 import json
 import random
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ import httpx
 from kvyard.bench.output import emit_json, machine_info
 from kvyard.errors import KvyardError
 from kvyard.lora.data import KEEP
+from kvyard.lora.promote import Bar, PromoteSettings, print_report, promote
 from kvyard.lora.train import TrainSettings, train_adapter
 from kvyard.router.launcher import Cluster, ClusterSpec
 
@@ -81,6 +85,31 @@ def evaluate(url: str, model: str, items: list[tuple[str, dict[str, str]]], inst
             "example": texts[0]}
 
 
+class BackgroundTraffic:
+    """Clients sending `contents` (chat turns, greedy) to `model` in turn on a thread of their own, until stopped
+    or `limit` requests are sent: the live traffic a shadow needs."""
+
+    def __init__(self, url: str, model: str, contents: list[str], max_tokens: int, limit: int = 1000):
+        self.stop, self.sent = threading.Event(), 0
+        self._args = (url, model, contents, max_tokens, limit)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        url, model, contents, max_tokens, limit = self._args
+        with httpx.Client(timeout=120.0) as client:
+            while not self.stop.is_set() and self.sent < limit:
+                _ask(client, url, model, contents[self.sent % len(contents)], max_tokens)
+                self.sent += 1
+
+    def __enter__(self) -> "BackgroundTraffic":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(120)
+
+
 def _wait_for_capture(capture: Path, count: int, timeout: float) -> Path:
     """The capture's records, gathered in one file once all `count` are written."""
     deadline = time.monotonic() + timeout
@@ -96,14 +125,16 @@ def _wait_for_capture(capture: Path, count: int, timeout: float) -> Path:
 
 
 def run_loop(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    spec = ClusterSpec(replicas=1, model=args.model, worker_port=args.port, log_dir=root,
+    spec = ClusterSpec(replicas=1, model=args.model, worker_port=args.port + 1, log_dir=root,
                        serve_args=["--capture", str(root / "capture"), "--enable-lora-runtime-updates",
                                    "--dtype", args.dtype])
     cluster = Cluster(spec)
     try:
-        [url] = cluster.start_workers()
+        [worker] = cluster.start_workers()
+        cluster.wait_ready([worker], args.startup_timeout)
+        url = cluster.start_router(args.port, "round-robin")
         cluster.wait_ready([url], args.startup_timeout)
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        model = httpx.get(f"{worker}/v1/models", timeout=10).json()["data"][0]["id"]
         train_items = task_items(args.train_requests, TRAIN_NAMES, TRAIN_CITIES, seed=1)
         started = time.perf_counter()
         ask_all(url, model, [INSTRUCTION + s for s, _ in train_items], args.max_tokens, args.concurrency)
@@ -112,25 +143,29 @@ def run_loop(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         report = train_adapter(TrainSettings(
             model=args.model, data=str(capture), out=str(root / "adapter"), drop=[INSTRUCTION], keep=args.keep,
             rank=args.rank, epochs=args.epochs, held_out=0.1, seed=0, progress=True))
-        r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "task", "lora_path": str(root / "adapter")},
-                       timeout=120)
-        if r.status_code != 200:
-            raise KvyardError(f"bench lora-loop: loading the adapter failed: {r.status_code} {r.text[:300]}")
+        live = [s for s, _ in task_items(64, TRAIN_NAMES, TRAIN_CITIES, seed=3)]  # today's clients, bare
+        with BackgroundTraffic(url, model, live, args.max_tokens):
+            promotion = promote(PromoteSettings(router=url, name="task", adapter=str(root / "adapter"),
+                                                bars=[Bar.parse(b) for b in args.bar], primary=model,
+                                                pairs=args.shadow_pairs, timeout_s=args.startup_timeout))
         held = task_items(args.eval_requests, HELD_NAMES, HELD_CITIES, seed=2)
         runs = {"base_bare": evaluate(url, model, held, False, args.max_tokens, args.concurrency),
-                "base_instructed": evaluate(url, model, held, True, args.max_tokens, args.concurrency),
-                "adapter_bare": evaluate(url, "task", held, False, args.max_tokens, args.concurrency)}
+                "base_instructed": evaluate(url, model, held, True, args.max_tokens, args.concurrency)}
+        if promotion["promoted"]:
+            runs["adapter_bare"] = evaluate(url, "task", held, False, args.max_tokens, args.concurrency)
     finally:
         cluster.stop()
     return {"model": args.model, "dtype": args.dtype, "train_requests": args.train_requests,
             "eval_requests": args.eval_requests, "capture_s": round(capture_s, 1),
             "train_examples": report["examples"], "train_s": report["seconds"], "steps": report["steps"],
             "held_out_loss": [report["held_out_before"]["loss"], report["held_out_after"]["loss"]],
-            "eval": runs, "gain": runs["adapter_bare"]["exact"] - runs["base_bare"]["exact"],
+            "promotion": {k: promotion[k] for k in ("promoted", "bars", "summary")}, "eval": runs,
+            "gain": runs["adapter_bare"]["exact"] - runs["base_bare"]["exact"] if "adapter_bare" in runs else None,
             "machine": machine_info()}
 
 
 def run_lora_loop_bench(args: argparse.Namespace) -> int:
+    args.bar = args.bar or ["json_gain>=0.5"]
     with tempfile.TemporaryDirectory(prefix="kvyard-lora-loop-") as tmp:
         root = Path(args.work_dir) if args.work_dir else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
@@ -138,9 +173,11 @@ def run_lora_loop_bench(args: argparse.Namespace) -> int:
     e = result["eval"]
     print(f"captured {result['train_requests']} requests in {result['capture_s']} s; trained on "
           f"{result['train_examples']['train']} chosen answers in {result['train_s']} s ({result['steps']} steps)")
+    print_report({**result["promotion"], "adapter": "the trained adapter", "name": "task", "workers": [1]})
     for name, run in e.items():
         print(f"{name:16s} exact {run['exact']:.1%}  prompt tokens {run['prompt_tokens']:.1f}")
-    print(f"held-out gain (adapter vs base, same bare prompts): {result['gain']:+.1%}")
+    if result["gain"] is not None:
+        print(f"held-out gain (adapter vs base, same bare prompts): {result['gain']:+.1%}")
     emit_json(result, args.json_out)
     return 0
 
@@ -157,6 +194,9 @@ def add_lora_loop_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep", choices=sorted(KEEP), default="json", help="which captured answers are trained on")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--bar", action="append", default=None, metavar="METRIC>=VALUE",
+                   help="the promotion's bars (repeatable; default json_gain>=0.5)")
+    p.add_argument("--shadow-pairs", type=int, default=24, help="live requests compared before the promotion")
     p.add_argument("--startup-timeout", type=float, default=180.0)
     p.add_argument("--work-dir", help="keep the capture, the adapter and the logs here (default: a temporary dir)")
     p.add_argument("--json-out")

@@ -129,17 +129,26 @@ def _wait_for_pairs(client: httpx.Client, s: PromoteSettings) -> dict[str, float
                       f"reaching model {s.primary or s.name!r} through {s.router}?")
 
 
-def _cleanup(client: httpx.Client, router: str, workers: list[str], candidate: str) -> None:
-    """Best effort: a worker that is gone has nothing left to unload."""
-    for url, body in [(f"{router}/shadow", None)] + [(f"{w}/v1/unload_lora_adapter", {"lora_name": candidate})
-                                                     for w in workers]:
-        try:
-            if body is None:
-                client.delete(url)
-            else:
-                client.post(url, json=body)
-        except httpx.HTTPError:
-            pass
+def _cleanup(client: httpx.Client, router: str, workers: list[str], candidate: str, wait_s: float = 30.0) -> None:
+    """Stop the shadow, then unload the candidate from every worker: refused while a mirrored request is still
+    running with it, so retried for up to `wait_s`. Best effort: a worker that is gone has nothing to unload."""
+    try:
+        client.delete(f"{router}/shadow")
+    except httpx.HTTPError:
+        pass
+    deadline = time.monotonic() + wait_s
+    left = list(workers)
+    while left and time.monotonic() < deadline:
+        for url in list(left):
+            try:
+                r = client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": candidate})
+            except httpx.HTTPError:
+                left.remove(url)
+                continue
+            if r.status_code == 200 or "while" not in r.text:  # done, or nothing to unload
+                left.remove(url)
+        if left:
+            time.sleep(0.2)
 
 
 def print_report(report: dict[str, Any]) -> None:

@@ -31,12 +31,14 @@ def test_the_loop_bench_captures_trains_hot_loads_and_scores(tiny_checkpoint, tm
     out = tmp_path / "loop.json"
     assert main(["bench", "lora-loop", "--model", str(tiny_checkpoint("llama")), "--dtype", "float32",
                  "--port", str(free_port()), "--train-requests", "12", "--eval-requests", "4", "--max-tokens", "6",
-                 "--keep", "all", "--epochs", "2", "--startup-timeout", "120", "--work-dir", str(tmp_path / "w"),
+                 "--keep", "all", "--epochs", "2", "--shadow-pairs", "3", "--bar", "json_valid_candidate>=0", "--startup-timeout", "120", "--work-dir", str(tmp_path / "w"),
                  "--json-out", str(out)]) == 0
     result = json.loads(out.read_text())
     captured = (tmp_path / "w" / "capture" / "all.jsonl").read_text().splitlines()
     assert len(captured) == 12 and all(json.loads(line)["prompt"].count(INSTRUCTION.strip()) for line in captured)
     assert result["train_examples"] == {"train": 11, "held_out": 1}
+    # The bar always holds here: the promotion's decisions are tests/lora/test_promote.py's; this is the pipeline
+    assert result["promotion"]["promoted"] and result["promotion"]["summary"]["requests"] >= 3
     assert set(result["eval"]) == {"base_bare", "base_instructed", "adapter_bare"}
     assert result["eval"]["base_instructed"]["prompt_tokens"] > result["eval"]["base_bare"]["prompt_tokens"]
     assert result["eval"]["adapter_bare"]["prompt_tokens"] == result["eval"]["base_bare"]["prompt_tokens"]
