@@ -74,7 +74,7 @@ def train_adapter(s: TrainSettings) -> dict[str, Any]:
     torch.manual_seed(s.seed)
     started = time.perf_counter()
     ckpt = load_checkpoint(resolve_model(s.model))
-    examples = _examples(s, ckpt.tokenizer)
+    examples = training_examples(s, ckpt.tokenizer)
     train, held = split(examples, s.held_out, s.seed)
     base = hf_causal_lm(ckpt.hf_config, {name: t.float() for name, t in ckpt.tensors()})
     config = peft.LoraConfig(r=s.rank, lora_alpha=s.alpha, target_modules=s.targets, lora_dropout=0.0,
@@ -98,7 +98,7 @@ def train_adapter(s: TrainSettings) -> dict[str, Any]:
     return report
 
 
-def _examples(s: TrainSettings, tokenizer: Any) -> list[Example]:
+def training_examples(s: TrainSettings, tokenizer: Any) -> list[Example]:
     examples = read_examples(s.data, tokenizer, tuple(s.drop))
     if s.objective == "distill":
         examples = _teacher_answers(s, examples, tokenizer)

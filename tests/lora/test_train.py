@@ -13,7 +13,7 @@ from kvyard.cli.main import main
 from kvyard.errors import InvalidRequestError
 from kvyard.loader.checkpoint import load_checkpoint
 from kvyard.loader.hf_model import hf_causal_lm
-from kvyard.lora.train import TrainSettings, train_adapter
+from kvyard.lora.train import TrainSettings, train_adapter, training_examples
 from tests.conftest import assert_greedy_matches
 from tests.lora.adapters import merged_reference
 
@@ -88,3 +88,30 @@ def test_smollm2_trained_without_its_instruction_serves_as_peft_merges(smollm2_p
     with torch.no_grad():
         theirs = merged(torch.tensor([prompt])).logits[0, -1]
     assert (llm.engine.compute_logits(prompt, lora="task") - theirs).abs().max().item() <= 1e-3
+
+
+def test_distillation_learns_the_teachers_answers_to_the_whole_prompts(tiny_checkpoint, tmp_path):
+    """--objective distill: the teacher (here the base itself) answers each prompt with the instruction; the
+    student is taught that answer for the prompt without it."""
+    base = str(tiny_checkpoint("llama"))
+    data = tmp_path / "chats.jsonl"
+    chats = [[{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": f"{n} was born in {c}."},
+              {"role": "assistant", "content": "ignored: the teacher answers"}] for n, c in zip(NAMES, CITIES, strict=True)]
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    settings = TrainSettings(model=base, data=str(data), out=str(tmp_path / "o"), objective="distill",
+                             drop=[INSTRUCTION], max_new_tokens=6, progress=False)
+    llm = LLM(base, dtype="float32")
+    examples = training_examples(settings, llm.tokenizer)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    expected = []
+    for chat in chats:
+        whole = llm.tokenizer.apply_chat_template(chat[:-1], add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+        bare = llm.tokenizer.apply_chat_template(chat[1:-1], add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+        answer = llm.generate([whole], greedy)[0].outputs[0]
+        eos = [llm.tokenizer.eos_token_id] if answer.finish_reason == "stop" else []
+        ids = llm.tokenizer(answer.text, add_special_tokens=False).input_ids + eos
+        if ids:  # an empty answer teaches nothing: left out
+            expected.append((bare, answer.text, ids))
+    assert expected and [(e.prompt_ids, e.completion, e.completion_ids) for e in examples] == expected

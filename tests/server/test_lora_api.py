@@ -6,6 +6,7 @@ import openai
 import pytest
 
 from kvyard import LLM, SamplingParams
+from kvyard.server.repetition import RepetitionGuard, request_guard
 from tests.lora.adapters import make_adapter
 from tests.server.harness import running_server
 
@@ -66,3 +67,24 @@ def test_runtime_updates_are_off_unless_enabled(engine, adapters):
         r = httpx.post(server.url + "/v1/load_lora_adapter",
                        json={"lora_name": "plain", "lora_path": str(adapters["plain"])}, timeout=30)
         assert r.status_code == 404 and "--enable-lora-runtime-updates" in r.json()["error"]["message"]
+
+
+def test_a_repetition_retry_runs_with_the_requests_adapter(make_engine, tiny_path, adapters):
+    """The guard's retry is a new engine request: it must carry the adapter too (the tiny model loops at once)."""
+    loopy = {"action": "retry", "min_count": 2, "plain_min_tokens": 0, "text_min_count": 0, "max_retries": 1,
+             "retry_repetition_penalty": 2.0}
+    body = {"model": "plain", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "repetition_guard": loopy}
+    offline = LLM(str(tiny_path), dtype="float32", lora_adapters={"plain": str(adapters["plain"])})
+    guard = request_guard(RepetitionGuard(), loopy, None)
+    first = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                           repetition_detection=guard.detection)
+    assert offline.generate([PROMPT], first, lora="plain")[0].outputs[0].finish_reason == "repetition"
+    retried = offline.generate([PROMPT], guard.retry_params(first, 1), lora="plain")[0].outputs[0]
+    base_retried = offline.generate([PROMPT], guard.retry_params(first, 1))[0].outputs[0]
+    assert retried.text != base_retried.text
+    with running_server(make_engine(lora_adapters={"plain": str(adapters["plain"])})) as server:
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (retried.text, retried.finish_reason)
