@@ -66,10 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     from kvyard.lora.cli import add_lora_parser
     from kvyard.plan.cli import add_plan_parser
     from kvyard.plan.tune_cli import add_tune_parser
+    from kvyard.retrofit.cli import add_retrofit_parser
     from kvyard.shadow.report import add_shadow_parser
 
     add_shadow_parser(sub)
     add_lora_parser(sub)
+    add_retrofit_parser(sub)
     add_plan_parser(sub)
     add_tune_parser(sub)
 

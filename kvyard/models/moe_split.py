@@ -17,7 +17,6 @@ k chosen experts get weights of about 1/k each and contribute about what they di
 
 import argparse
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,8 @@ from kvyard.errors import KvyardError
 from kvyard.loader.checkpoint import load_checkpoint
 from kvyard.loader.hf_model import hf_causal_lm
 from kvyard.loader.registry import resolve_model
+from kvyard.models.derived import divergence, original_texts, save_checkpoint
 
-SPEC_DATA = Path(__file__).resolve().parent.parent / "bench" / "spec_data"
 ROUTER_SPREAD = 1e-3  # the largest router logit; softmax over the chosen k then stays within ~0.1 % of 1/k
 
 
@@ -63,32 +62,18 @@ def split_model(model: str, experts: int, top_k: int, out: Path, calibration_pro
                           f"and --top-k must be 1 to {experts} (got {top_k})")
     weights = {name: t.float() for name, t in ckpt.tensors()}
     dense = hf_causal_lm(ckpt.hf_config, weights)
-    texts = _texts(ckpt, dense, calibration_prompts + eval_prompts)
+    texts = original_texts(ckpt.tokenizer, dense, calibration_prompts + eval_prompts)
     calibration, evaluation = texts[:calibration_prompts], texts[calibration_prompts:]
     routers = _fit_routers(dense, calibration, experts, cfg.intermediate_size // experts) if top_k < experts else None
     moe_weights, moe_config = _moe_checkpoint(ckpt.hf_config, weights, experts, top_k, routers)
-    _save(out, moe_config, moe_weights, ckpt.tokenizer)
+    save_checkpoint(out, moe_config, moe_weights, ckpt.tokenizer)
     import transformers
 
     moe = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()  # as users read it
     report = {"model": str(model), "experts": experts, "top_k": top_k, "out": str(out),
-              "calibration_tokens": sum(len(t) for t in calibration), **_divergence(dense, moe, evaluation)}
+              "calibration_tokens": sum(len(t) for t in calibration), **divergence(dense, moe, evaluation)}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
-
-
-def _texts(ckpt: Any, dense: Any, count: int) -> list[list[int]]:
-    """Token ids of chat prompts from kvyard's own data followed by the dense model's greedy continuation."""
-    prompts = [json.loads(line)["prompt"] for name in ("chat_train.jsonl", "chat_eval.jsonl")
-               for line in (SPEC_DATA / name).read_text().splitlines() if line.strip()][:count]
-    out = []
-    for text in prompts:
-        ids = torch.tensor([ckpt.tokenizer(text).input_ids])
-        with torch.no_grad():
-            full = dense.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
-                                  pad_token_id=0)
-        out.append(full[0].tolist())
-    return out
 
 
 def _fit_routers(dense: Any, texts: list[list[int]], experts: int, size: int) -> list[torch.Tensor]:
@@ -139,25 +124,3 @@ def _moe_checkpoint(hf_config: dict[str, Any], weights: dict[str, torch.Tensor],
     return out, config
 
 
-def _save(out: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], tokenizer: Any) -> None:
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    if config.get("tie_word_embeddings"):
-        weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tokenizer.save_pretrained(str(out))
-
-
-def _divergence(dense: Any, moe: Any, texts: list[list[int]]) -> dict[str, float]:
-    """Mean KL(dense || moe) of the next-token distributions over every position, and top-1 agreement."""
-    kl, agree, n = 0.0, 0, 0
-    with torch.no_grad():
-        for ids in texts:
-            x = torch.tensor([ids])
-            p, q = F.log_softmax(dense(x).logits[0].float(), -1), F.log_softmax(moe(x).logits[0].float(), -1)
-            kl += float(F.kl_div(q, p, log_target=True, reduction="sum"))
-            agree += int((p.argmax(-1) == q.argmax(-1)).sum())
-            n += len(ids)
-    return {"eval_tokens": n, "kl_mean": kl / n if n else math.nan, "top1_agreement": agree / n if n else math.nan}

@@ -1,0 +1,63 @@
+"""`kvyard retrofit`: convert a model's attention to a cheaper kind, write it as a checkpoint kvyard serves, and
+report what it costs against the original: KV bytes per token, and the next-token KL and top-1 agreement on
+held-out text in the original's own distribution (its greedy continuations of kvyard's chat prompts)."""
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvyard.errors import ConfigError
+
+
+@dataclass
+class RetrofitSettings:
+    model: str  # a name, HF directory or .gguf file
+    out: str  # the converted checkpoint's directory
+    attention: str = "mqa"
+    kv_heads: int = 1  # mqa: the KV heads left
+    eval_prompts: int = 16  # held-out prompts whose continuations measure the divergence
+    kv_dtype: str = "auto"  # for the KV bytes per token (the engine's kv_cache_dtype)
+    dtype: str = "bfloat16"  # the serving dtype the KV bytes are counted in
+
+    def __post_init__(self) -> None:
+        if self.attention != "mqa":
+            raise ConfigError(f"--attention {self.attention!r}: only mqa is implemented", param="attention")
+
+
+def retrofit(s: RetrofitSettings) -> dict[str, Any]:
+    import transformers
+
+    from kvyard.loader.checkpoint import load_checkpoint
+    from kvyard.loader.hf_model import hf_causal_lm
+    from kvyard.loader.registry import resolve_model
+    from kvyard.models.derived import divergence, original_texts, save_checkpoint
+    from kvyard.retrofit.attention import pool_kv_heads
+
+    started = time.perf_counter()
+    ckpt = load_checkpoint(resolve_model(s.model))
+    weights = {name: t.float() for name, t in ckpt.tensors()}
+    original = hf_causal_lm(ckpt.hf_config, weights)
+    config, converted_weights = pool_kv_heads(ckpt.hf_config, weights, s.kv_heads)
+    out = Path(s.out).expanduser()
+    save_checkpoint(out, config, converted_weights, ckpt.tokenizer)
+    converted = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    held_out = original_texts(ckpt.tokenizer, original, s.eval_prompts, offset=-s.eval_prompts)
+    before, after = _kv_bytes(ckpt.hf_config, s), _kv_bytes(config, s)
+    report = {"settings": asdict(s), "source": str(ckpt.path),
+              "kv_heads": [int(ckpt.hf_config.get("num_key_value_heads") or 0), s.kv_heads],
+              "kv_bytes_per_token": [before, after], "kv_saving": before / after,
+              "converted": divergence(original, converted, held_out),
+              "seconds": round(time.perf_counter() - started, 1)}
+    (out / "retrofit_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _kv_bytes(hf_config: dict[str, Any], s: RetrofitSettings) -> int:
+    from kvyard.models.config import ModelConfig
+    from kvyard.plan.memory import kv_bytes_per_token
+
+    return kv_bytes_per_token(ModelConfig.from_hf(hf_config), s.kv_dtype, getattr(torch, s.dtype))
