@@ -3,6 +3,7 @@
 import argparse
 import json
 
+from kvyard.retrofit.distill import DistillSettings
 from kvyard.retrofit.tool import RetrofitSettings, retrofit
 
 
@@ -14,12 +15,26 @@ def add_retrofit_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention", choices=("mqa",), default="mqa",
                    help="mqa: mean-pool each group of KV heads into one")
     p.add_argument("--kv-heads", type=int, default=1, help="mqa: the KV heads to keep (they divide the model's)")
+    p.add_argument("--dtype", default="bfloat16", help="the serving dtype (KV bytes; the original's answers)")
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for the KL and top-1 agreement")
+    p.add_argument("--distill-prompts", type=int, default=256,
+                   help="chat prompts the original answers for the distillation back toward it (0: none)")
+    p.add_argument("--distill-tokens", type=int, default=96, help="the original's answer length")
+    p.add_argument("--distill-minutes", type=float, default=30.0, help="the distillation's time budget")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--train", choices=("kv", "attention"), default="kv",
+                   help="the projections that train: k and v, or the whole attention (q, k, v, o)")
+    p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_retrofit)
 
 
 def cmd_retrofit(args: argparse.Namespace) -> int:
+    distill = DistillSettings(minutes=args.distill_minutes, epochs=args.epochs, lr=args.lr, train=args.train,
+                              progress=not args.no_progress)
     report = retrofit(RetrofitSettings(model=args.model, out=args.out, attention=args.attention,
-                                       kv_heads=args.kv_heads, eval_prompts=args.eval_prompts))
+                                       kv_heads=args.kv_heads, eval_prompts=args.eval_prompts, dtype=args.dtype,
+                                       distill_prompts=args.distill_prompts, distill_tokens=args.distill_tokens,
+                                       distill=distill))
     print(json.dumps(report, indent=2))
     return 0

@@ -1,16 +1,19 @@
-"""`kvyard retrofit`: convert a model's attention to a cheaper kind, write it as a checkpoint kvyard serves, and
-report what it costs against the original: KV bytes per token, and the next-token KL and top-1 agreement on
-held-out text in the original's own distribution (its greedy continuations of kvyard's chat prompts)."""
+"""`kvyard retrofit`: convert a model's attention to a cheaper kind, distil it back toward the original, write it
+as a checkpoint kvyard serves, and report what it costs against the original: KV bytes per token, and the
+next-token KL and top-1 agreement on held-out text in the original's own distribution (its greedy continuations
+of kvyard's held-out chat prompts), after the conversion and after the distillation. With a distillation, the
+undistilled conversion is kept in OUT/converted for comparisons (`kvyard bench spec --target OUT/converted`)."""
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvyard.errors import ConfigError
+from kvyard.retrofit.distill import DistillSettings, distill_back
 
 
 @dataclass
@@ -21,7 +24,10 @@ class RetrofitSettings:
     kv_heads: int = 1  # mqa: the KV heads left
     eval_prompts: int = 16  # held-out prompts whose continuations measure the divergence
     kv_dtype: str = "auto"  # for the KV bytes per token (the engine's kv_cache_dtype)
-    dtype: str = "bfloat16"  # the serving dtype the KV bytes are counted in
+    dtype: str = "bfloat16"  # the serving dtype (KV bytes are counted in it; the original's answers come in it)
+    distill_prompts: int = 256  # chat prompts the original answers for the distillation (0: no distillation)
+    distill_tokens: int = 96  # the original's answer length
+    distill: DistillSettings = field(default_factory=DistillSettings)
 
     def __post_init__(self) -> None:
         if self.attention != "mqa":
@@ -50,10 +56,30 @@ def retrofit(s: RetrofitSettings) -> dict[str, Any]:
     report = {"settings": asdict(s), "source": str(ckpt.path),
               "kv_heads": [int(ckpt.hf_config.get("num_key_value_heads") or 0), s.kv_heads],
               "kv_bytes_per_token": [before, after], "kv_saving": before / after,
-              "converted": divergence(original, converted, held_out),
-              "seconds": round(time.perf_counter() - started, 1)}
+              "converted": divergence(original, converted, held_out)}
+    if s.distill_prompts:
+        save_checkpoint(out / "converted", config, converted_weights, ckpt.tokenizer)  # kept, to compare with
+        samples = _original_answers(ckpt.path, s)
+        report["distillation"] = {"samples": len(samples), **distill_back(converted, samples, s.distill)}
+        report["distilled"] = divergence(original, converted, held_out)
+        converted.save_pretrained(str(out))  # the distilled weights replace the converted ones
+    report["seconds"] = round(time.perf_counter() - started, 1)
     (out / "retrofit_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _original_answers(path: Path, s: RetrofitSettings) -> list[Any]:
+    """The original model's greedy answers to kvyard's chat prompts, with its top-20 logprobs (kvyard's engine)."""
+    from kvyard.llm import LLM
+    from kvyard.models.derived import SPEC_DATA
+    from kvyard.spec.speculator.distill import distill
+    from kvyard.spec.speculator.prompts import read_prompts
+
+    llm = LLM(str(path), dtype=s.dtype)
+    prompts = read_prompts(SPEC_DATA / "chat_train.jsonl", llm.tokenizer, s.distill_prompts)
+    samples = distill(llm, prompts, s.distill_tokens, use_tqdm=s.distill.progress)
+    llm.close()
+    return samples
 
 
 def _kv_bytes(hf_config: dict[str, Any], s: RetrofitSettings) -> int:
