@@ -68,10 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     from kvyard.plan.tune_cli import add_tune_parser
     from kvyard.retrofit.cli import add_retrofit_parser
     from kvyard.shadow.report import add_shadow_parser
+    from kvyard.vision.cli import add_graft_parser
 
     add_shadow_parser(sub)
     add_lora_parser(sub)
     add_retrofit_parser(sub)
+    add_graft_parser(sub)
     add_plan_parser(sub)
     add_tune_parser(sub)
 
