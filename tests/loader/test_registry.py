@@ -164,7 +164,8 @@ def test_known_models_are_complete() -> None:
     assert len(KNOWN_MODELS["qwen2.5-coder-1.5b"].wheels) == 22
     for src in KNOWN_MODELS.values():
         assert len(src.wheels) == len(src.members) and len(src.sha256) == 64
-        assert src.filename.endswith(".gguf")
+        assert src.filename.endswith(".gguf") or src.name == "efficientnet-lite0"  # the graft's image encoder
+    assert KNOWN_MODELS["efficientnet-lite0"].filename.endswith(".pth")
     assert KNOWN_MODELS["qwen2.5-coder-1.5b"].members[21] == "*/data/part22.bin"
 
 
