@@ -1,5 +1,5 @@
-"""What kvyard's small training loops share (the speculator's drafter, LoRA adapters): length-bucketed batches,
-a warmup-then-cosine learning rate, and one clipped optimizer step."""
+"""What kvyard's small training loops share (the speculator's drafter, LoRA adapters, retrofits, grafts):
+length-bucketed batches, right-padded inputs, a warmup-then-cosine learning rate, one clipped optimizer step."""
 
 import math
 import random
@@ -25,6 +25,16 @@ def batches(samples: list[T], batch_tokens: int, rng: random.Random, length: Cal
         out.append(cur)
     rng.shuffle(out)
     return out
+
+
+def right_pad(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id rows as one right-padded [rows, longest] tensor, and its attention mask."""
+    ids = torch.full((len(rows), max(len(r) for r in rows)), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
 
 
 def warmup_cosine(opt: torch.optim.Optimizer, total: int, warmup: int) -> torch.optim.lr_scheduler.LambdaLR:

@@ -163,6 +163,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self._tracked: dict[str, _Tracked] = {}
         self._retired_adapters: set[str] = set()  # LoRA adapters replaced while requests ran with them
+        self._retirements = itertools.count()
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, reported next step
         self._ids = itertools.count()
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first constrained request
@@ -228,7 +229,7 @@ class LLMEngine:
             self.lora = self._new_lora_registry(self.runner.model)
         adapter = load_adapter(name, path, self.lora.model.cfg)  # read first: a bad file changes nothing
         if self._lora_requests(name):
-            retired = f"{name}@{self.lora.served[name].digest[:16]}"
+            retired = f"{name}@retired-{next(self._retirements)}"  # unique: the same file may be reloaded twice
             self.lora.rename(name, retired)
             for t in self._tracked.values():
                 if t.req.lora == name:

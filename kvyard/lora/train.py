@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from kvyard.errors import InvalidRequestError
 from kvyard.lora.data import KEEP, Example, read_examples, split
-from kvyard.training import batches, step, warmup_cosine
+from kvyard.training import batches, right_pad, step, warmup_cosine
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -131,15 +131,11 @@ def _teacher_answers(s: TrainSettings, students: list[Example], tokenizer: Any) 
 
 def _batch(examples: list[Example], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ids, their attention mask, and labels that are -100 except on the completions' tokens."""
-    width = max(len(e.prompt_ids) + len(e.completion_ids) for e in examples)
-    ids = torch.full((len(examples), width), pad, dtype=torch.long)
+    ids, mask = right_pad([e.prompt_ids + e.completion_ids for e in examples], pad)
     labels = torch.full_like(ids, -100)
-    mask = torch.zeros_like(ids)
     for row, e in enumerate(examples):
-        n, p = len(e.prompt_ids) + len(e.completion_ids), len(e.prompt_ids)
-        ids[row, :n] = torch.tensor(e.prompt_ids + e.completion_ids)
+        p, n = len(e.prompt_ids), len(e.prompt_ids) + len(e.completion_ids)
         labels[row, p:n] = ids[row, p:n]
-        mask[row, :n] = 1
     return ids, mask, labels
 
 

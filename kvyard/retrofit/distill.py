@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from kvyard.spec.speculator.distill import Sample
-from kvyard.training import batches, step, warmup_cosine
+from kvyard.training import batches, right_pad, step, warmup_cosine
 
 TRAINED = {"kv": ("k_proj", "v_proj"), "attention": ("q_proj", "k_proj", "v_proj", "o_proj")}
 
@@ -44,20 +44,10 @@ def trainable(model: Any, which: str) -> list[torch.nn.Parameter]:
     return params
 
 
-def _inputs(batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s.token_ids) for s in batch)
-    ids = torch.zeros(len(batch), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, s in enumerate(batch):
-        ids[row, : len(s.token_ids)] = torch.tensor(s.token_ids)
-        mask[row, : len(s.token_ids)] = 1
-    return ids, mask
-
-
 def soft_loss(model: Any, batch: list[Sample]) -> torch.Tensor:
     """Cross-entropy of the model's next-token distributions against the original's top-20, renormalised,
     at every output position (the logits before each output token)."""
-    ids, mask = _inputs(batch)
+    ids, mask = right_pad([s.token_ids for s in batch])
     logits = model(input_ids=ids, attention_mask=mask).logits
     rows = torch.cat([logits[r, s.prompt_len - 1 : s.prompt_len - 1 + s.num_output] for r, s in enumerate(batch)])
     logp = rows.float().log_softmax(-1)

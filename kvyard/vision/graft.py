@@ -22,6 +22,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from kvyard.training import right_pad
 from kvyard.vision.easy_vqa import Question, read_split
 from kvyard.vision.encoder import EfficientNetLite0, normalise
 from kvyard.vision.projector import Projector
@@ -123,12 +124,7 @@ def embeddings(lm: Any, prompts: list[Prompt], soft: torch.Tensor | None, tails:
                ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Right-padded input embeddings with the soft tokens in place, the attention mask, and each row's length."""
     rows = [p.ids + t for p, t in zip(prompts, tails, strict=True)]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
+    ids, mask = right_pad(rows, pad)
     embeds = lm.get_input_embeddings()(ids)
     if soft is not None:
         at = torch.tensor([p.image_at for p in prompts])

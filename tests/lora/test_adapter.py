@@ -147,3 +147,20 @@ def test_a_memory_budget_keeps_the_recently_used_adapters_and_reloads_the_rest(t
         llm.engine.step()
     assert llm.generate(["hello there"], greedy, lora="c")[0].outputs[0].token_ids == want["c"]
     assert llm.engine.lora.loads == loads + 1
+
+
+def test_the_same_file_reloaded_twice_while_busy_keeps_each_generation_apart(adapter):
+    base, path = adapter
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(base), dtype="float32", lora_adapters={"a": str(path)})
+    engine = llm.engine
+    for i in range(3):  # each reload of the same content while a request runs with the previous one
+        engine.add_request("hello", greedy, request_id=f"r{i}", lora="a")
+        engine.step()
+        engine.load_lora("a", str(path))
+    assert len(engine.lora.slots) == len(set(engine.lora.slots)) == 4  # three retired generations and "a"
+    got = {}
+    while engine.has_unfinished_requests():
+        got.update({r.request_id: r.outputs[0].token_ids for r in engine.step()})
+    engine.step()
+    assert list(engine.lora.served) == ["a"] and len({tuple(t) for t in got.values()}) == 1
