@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from kvyard.engine.kv_events import BlockRemoved, BlockStored, KVEvent
 from kvyard.engine.request import Request
+from kvyard.engine.soft_tokens import SoftTokens, block_salt
 
 # The hashing scheme, named so that a router can check it computes the same hashes (kv handshake).
 HASH_FUNCTION = "sha256(parent|len(salt)|salt|int64 tokens)"
@@ -37,12 +38,14 @@ def block_hash(parent: bytes | None, tokens: tuple[int, ...], salt: bytes = b"")
 
 
 def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, salt: bytes,
-                        num_blocks: int) -> list[bytes]:
-    """Extend `hashes` (the chain so far) in place to the first `num_blocks` full blocks of `token_ids`."""
+                        num_blocks: int, soft: Sequence[SoftTokens] = ()) -> list[bytes]:
+    """Extend `hashes` (the chain so far) in place to the first `num_blocks` full blocks of `token_ids`; a block
+    that overlaps `soft` tokens hashes their digests too (kvyard/engine/soft_tokens.py)."""
     while len(hashes) < num_blocks:
         i = len(hashes)
         tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
-        hashes.append(block_hash(hashes[-1] if hashes else None, tokens, salt))
+        key_salt = block_salt(soft, salt, block_size, i) if soft else salt
+        hashes.append(block_hash(hashes[-1] if hashes else None, tokens, key_salt))
     return hashes
 
 
@@ -217,7 +220,7 @@ class BlockManager:
     def _hashes(self, req: Request, num_blocks: int) -> list[bytes]:
         """The request's chained block hashes for its first `num_blocks` full blocks, extended lazily."""
         return extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, req.cache_salt,
-                                   num_blocks)[:num_blocks]
+                                   num_blocks, req.soft_tokens)[:num_blocks]
 
     def prompt_hashes(self, req: Request) -> list[bytes]:
         """The hashes of the request's blocks a prefix hit may cover (its last token is always computed)."""

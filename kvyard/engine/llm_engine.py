@@ -28,6 +28,7 @@ from kvyard.engine.repetition import RepetitionDetector
 from kvyard.engine.request import Request
 from kvyard.engine.sampler import sample
 from kvyard.engine.scheduler import ScheduledBatch, Scheduler
+from kvyard.engine.soft_tokens import SoftTokens, check_spans
 from kvyard.engine.window_blocks import HybridBlocks, WindowBlocks
 from kvyard.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvyard.kernels import cpu as cpu_kernels
@@ -382,10 +383,10 @@ class LLMEngine:
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-        hold_kv: bool = False, lora: str | None = None,
+        hold_kv: bool = False, lora: str | None = None, soft_tokens: list[SoftTokens] | None = None,
     ) -> str:
         """Queue a request; `hold_kv` keeps its full KV blocks when it finishes (see `held`); `lora` names
-        the LoRA adapter it runs with."""
+        the LoRA adapter it runs with; `soft_tokens` give prompt positions their embeddings (an image's)."""
         params = params or SamplingParams()
         params.validate()
         text = prompt if isinstance(prompt, str) else None
@@ -396,6 +397,12 @@ class LLMEngine:
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids, hold_kv=hold_kv)
+        if soft_tokens:
+            try:
+                check_spans(soft_tokens, len(ids), self.model_config.hidden_size)
+            except ValueError as e:
+                raise InvalidRequestError(str(e), param="messages") from None
+            req.soft_tokens = sorted(soft_tokens, key=lambda s: s.start)
         if lora is not None:
             self._bind_adapter(req, lora)
         if params.structured_output is not None:

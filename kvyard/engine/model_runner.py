@@ -7,6 +7,7 @@ import torch
 from kvyard.engine.kv_cache import KVGroups
 from kvyard.engine.request import Request
 from kvyard.engine.scheduler import ScheduledBatch
+from kvyard.engine.soft_tokens import chunk_rows, step_embeds
 from kvyard.models.attention import AttentionMetadata, PrefillSpan, causal_context_mask
 from kvyard.models.decoder import DecoderModel
 from kvyard.models.kv_layer import LayerKV
@@ -71,6 +72,7 @@ class ModelRunner:
         prompt_indices: list[int] = []
         decodes = [r for r, n in pairs if n == 1]
         runs: list[tuple[int, int, str | None]] = []  # (first row, rows, LoRA adapter) of each request
+        soft: list[tuple[int, torch.Tensor]] = []  # (first row, embeddings) of the soft tokens in this step
         views = self._views()
         for req, n in pairs:
             start = req.num_computed_tokens
@@ -82,6 +84,8 @@ class ModelRunner:
             runs.append((row, n, req.lora))
             ids.extend(tokens[start : start + n])
             pos.extend(range(start, start + n))
+            if req.soft_tokens and start < req.num_prompt_tokens:
+                soft.extend(chunk_rows(req.soft_tokens, start, n, row))
             for view in views:
                 view.slots.extend(self._slots(view.table(req), start, start + n))
                 if n > 1:
@@ -105,6 +109,7 @@ class ModelRunner:
             for view, m in zip(views, metas, strict=True):
                 self._decode_metadata(view, decodes, m)
         meta = metas[0]
+        meta.soft_embeds = step_embeds(soft, dev)
         if self.model.adapters:
             meta.adapter_rows = self.model.adapters.rows(runs, len(decodes), dev)
         if len(metas) > 1:

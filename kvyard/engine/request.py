@@ -11,6 +11,7 @@ from kvyard.outputs import TokenLogprob
 from kvyard.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvyard.engine.soft_tokens import SoftTokens
     from kvyard.structured.matcher import GrammarState
 
 
@@ -34,6 +35,8 @@ class Request:
     lora: str | None = None  # the LoRA adapter this request runs with (kvyard/lora/), None: the base model
     cache_salt: bytes = b""  # isolates this request's prefix-cache entries from requests with another salt
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
+    # Prompt positions whose embeddings are given (a grafted image's soft tokens), in prompt order
+    soft_tokens: "list[SoftTokens]" = field(default_factory=list)
     num_committed_blocks: int = 0  # leading blocks registered in the prefix cache
     # The same for the sliding-window layers of a model that also has full-attention ones: their own pool,
     # whose blocks behind the window are given back (kvyard/engine/window_blocks.py).

@@ -40,6 +40,8 @@ class AttentionMetadata:
     # Which rows run with which LoRA adapter (kvyard.lora.stack.LoraRows), None: every row the base model's; it
     # travels with the step's metadata so that every layer sees it
     adapter_rows: Any = None
+    # (rows, embeddings) that replace those rows' token embeddings: soft tokens (kvyard/engine/soft_tokens.py)
+    soft_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     _decode_mask: torch.Tensor | None = field(default=None, init=False, repr=False)
     _windowed: dict[int, "AttentionMetadata"] = field(default_factory=dict, init=False, repr=False)
 

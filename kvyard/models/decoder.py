@@ -208,7 +208,7 @@ class DecoderModel:
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Run one step over a flat batch of tokens; return fp32 logits for the rows in logits_indices."""
-        x = self.run_layers(self.embed_tokens(input_ids), positions, meta, kv_caches)
+        x = self.run_layers(self.embed_inputs(input_ids, meta), positions, meta, kv_caches)
         return self.logits(rms_norm(x[logits_indices], self.final_norm, self.cfg.rms_norm_eps))
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -243,6 +243,15 @@ class DecoderModel:
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.embed)
+
+    def embed_inputs(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The step's input embeddings: its tokens', with soft tokens in their rows. Soft tokens are already in
+        the residual stream's space: like HF's `inputs_embeds`, they skip any scaling of the embedding."""
+        x = self.embed_tokens(input_ids)
+        if meta.soft_embeds is not None:
+            rows, values = meta.soft_embeds
+            x[rows] = values.to(x.dtype)
+        return x
 
     def rotary(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's cos and sin at this step's positions (one table for every layer here)."""

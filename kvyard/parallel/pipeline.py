@@ -111,7 +111,7 @@ class StageLayers:
                 kv_caches: list[LayerKV], logits_indices: torch.Tensor) -> torch.Tensor:
         """Stage 0 takes the token ids, a later stage the hidden states of the one before; the last stage
         returns fp32 logits for the rows in logits_indices, the others their hidden states."""
-        x = self.embed_tokens(inputs) if self.holds_embedding else inputs
+        x = self.embed_inputs(inputs, meta) if self.holds_embedding else inputs
         x = self.run_layers(x, positions, meta, kv_caches)
         if not self.holds_head:
             return x

@@ -41,6 +41,7 @@ from kvyard.config import EngineConfig
 from kvyard.engine.kv_events import KVEvent
 from kvyard.engine.kv_handoff import HeldKV
 from kvyard.engine.llm_engine import LLMEngine
+from kvyard.engine.soft_tokens import SoftTokens
 from kvyard.errors import EngineDeadError, KvyardError
 from kvyard.lora.stack import ServedAdapter
 from kvyard.models.moe import routing_stats
@@ -140,6 +141,7 @@ class _Add:
     hold_kv: bool = False
     received: ReceivedKV | None = None
     lora: str | None = None
+    soft_tokens: list[SoftTokens] | None = None
 
 
 @dataclass
@@ -245,13 +247,14 @@ class AsyncEngine:
         hold_kv: bool = False,
         received: ReceivedKV | None = None,
         lora: str | None = None,
+        soft_tokens: list[SoftTokens] | None = None,
     ) -> "asyncio.Queue[SinkItem]":
         """Submit a request; return the queue its outputs arrive on once the engine has accepted it.
 
         Several requests may share one `sink` (their outputs carry their request ids). Raises the
         engine's typed error when it rejects the request. `hold_kv` keeps its KV when it finishes (see
         `held_kv`); `received` KV is adopted into the prefix cache first (prefill/decode disaggregation);
-        `lora` names the LoRA adapter it runs with.
+        `lora` names the LoRA adapter it runs with; `soft_tokens` give prompt positions their embeddings.
         """
         if not self.is_running:
             if received is not None:
@@ -263,7 +266,7 @@ class AsyncEngine:
         with self._pending_lock:
             self._pending += 1
         self._commands.put(_Add(request_id, prompt, params, _Sink(asyncio.get_running_loop(), sink), done,
-                                hold_kv, received, lora))
+                                hold_kv, received, lora, soft_tokens))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -412,7 +415,8 @@ class AsyncEngine:
         if cmd.received is not None:
             self._adopt(cmd.request_id, cmd.received)
         try:
-            self._engine.add_request(cmd.prompt, cmd.params, cmd.request_id, hold_kv=cmd.hold_kv, lora=cmd.lora)
+            self._engine.add_request(cmd.prompt, cmd.params, cmd.request_id, hold_kv=cmd.hold_kv, lora=cmd.lora,
+                                     soft_tokens=cmd.soft_tokens)
         except Exception as e:  # typed validation errors travel back as they are
             cmd.done.set_exception(e)
             return

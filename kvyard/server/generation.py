@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
+from kvyard.engine.soft_tokens import SoftTokens
 from kvyard.errors import InvalidRequestError, KvyardError
 from kvyard.outputs import RequestOutput
 from kvyard.sampling_params import SamplingParams
@@ -118,9 +119,11 @@ class Choice:
 
 class EngineRun:
     def __init__(self, ctx: ServerContext, request_id: str, arrival: float | None = None,
-                 guard: RepetitionGuard | None = None, streaming: bool = False, lora: str | None = None):
+                 guard: RepetitionGuard | None = None, streaming: bool = False, lora: str | None = None,
+                 soft_tokens: list[SoftTokens] | None = None):
         self.ctx = ctx
         self.lora = lora  # the LoRA adapter every choice runs with (the request's model), None: the base model
+        self.soft_tokens = soft_tokens  # a grafted image's embeddings in the prompt (kvyard/vision/serve.py)
         self.request_id = request_id
         self.guard = guard or RepetitionGuard()
         self.streaming = streaming
@@ -156,7 +159,7 @@ class EngineRun:
                 # Only the first add carries the KV: it is adopted into the prefix cache, the rest hit it.
                 kv, received = received, None
                 submits.append(self.ctx.engine.add_request(ids, copy, rid, sink=self.queue, received=kv,
-                                                           lora=self.lora))
+                                                           lora=self.lora, soft_tokens=self.soft_tokens))
         self.ctx.drain.runs.add(self)
         results = await asyncio.gather(*submits, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -214,7 +217,8 @@ class EngineRun:
         params = self.guard.retry_params(choice.params, choice.attempt)
         log.info("%s looped; retry %d with repetition_penalty %.2f", self.request_id, choice.attempt,
                  params.repetition_penalty)
-        await self.ctx.engine.add_request(choice.prompt, params, choice.request_id, sink=self.queue, lora=self.lora)
+        await self.ctx.engine.add_request(choice.prompt, params, choice.request_id, sink=self.queue, lora=self.lora,
+                                          soft_tokens=self.soft_tokens)
 
     async def _next(self) -> SinkItem | None:
         if self.deadline is None:
