@@ -5,6 +5,7 @@ the answer is read back into `tool_calls` (kvyard/server/tools_parser.py). Outpu
 (`response_format`, ...) are compiled before the request reaches the engine (kvyard/server/structured.py).
 """
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -41,6 +42,7 @@ from kvyard.server.structured import requested_output
 from kvyard.server.tools import ToolPlan
 from kvyard.server.tools_parser import ToolCallStream, message_parts
 from kvyard.structured.spec import StructuredOutput
+from kvyard.vision.images import MAX_IMAGES, RequestImage, image_from_url
 
 
 async def create_chat_completion(request: Request, ctx: ServerContext) -> Response:
@@ -59,10 +61,18 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
         raise InvalidRequestError(
             "an output constraint cannot be combined with tools unless tool_choice is none", param=constraint.param
         )
-    messages = tools.render([m.for_template() for m in body.messages])
+    images = _images(ctx, body, model)
+    marker = ctx.vision.placeholder if ctx.vision is not None else "<image>"
+    messages = tools.render([m.for_template(marker) for m in body.messages])
     with ctx.admission.admit():
         constraint = await _compile(ctx, tools, constraint)
-        prompt = await ctx.tokenizer.chat(messages, tools.template_tools())
+        soft = None
+        if images:
+            assert ctx.vision is not None
+            pieces = await ctx.tokenizer.chat_pieces(messages, tools.template_tools(), marker)
+            prompt, soft = await asyncio.to_thread(ctx.vision.prompt, pieces, images)
+        else:
+            prompt = await ctx.tokenizer.chat(messages, tools.template_tools())
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
             # OpenAI's default: as much as the context allows (the engine stops at the context limit).
@@ -73,7 +83,7 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
         if constraint is not None:
             params = replace(params, structured_output=constraint)
         run = EngineRun(ctx, new_id("chatcmpl"), arrival, guard, streaming=bool(body.stream),
-                        lora=ctx.adapter_of(model))
+                        lora=ctx.adapter_of(model), soft_tokens=soft)
         try:
             await run.start([prompt], params, body.kv_transfer_params)
         except PromptTooLongError as e:
@@ -87,6 +97,22 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     except ClientDisconnected:
         return Response(status_code=499)  # nobody is listening; the engine requests are already aborted
     return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _images(ctx: ServerContext, body: ChatCompletionRequest, model: str) -> list[RequestImage]:
+    """The request's images, checked (not yet decoded); a 400 where the model takes none or there are too many."""
+    urls = [url for m in body.messages for url in m.image_urls()]
+    if not urls:
+        return []
+    if ctx.vision is None:
+        raise APIError(400, f"the model {model} takes no images: serve a vision graft (kvyard graft vision) for "
+                            f"image_url parts", param="messages")
+    if len(urls) > MAX_IMAGES:
+        raise APIError(400, f"at most {MAX_IMAGES} images per request, got {len(urls)}", param="messages")
+    if body.kv_transfer_params is not None:
+        raise APIError(400, "images cannot take prefill/decode disaggregation's KV transfer yet",
+                       param="kv_transfer_params")
+    return [image_from_url(url) for url in urls]
 
 
 async def _compile(ctx: ServerContext, tools: ToolPlan,

@@ -28,6 +28,7 @@ from kvyard.errors import ConfigError, InvalidRequestError
 from kvyard.server.repetition import RepetitionGuard, guard_setting
 from kvyard.shadow.capture import CaptureSettings
 from kvyard.structured.spec import JSON_WHITESPACE
+from kvyard.vision.config import GraftConfig, is_graft
 
 ROLES = ("both", "prefill", "decode")
 GENERATION_CONFIGS = ("auto", "none")
@@ -74,6 +75,9 @@ class ServerSettings:
     # Traffic capture (kvyard/shadow/capture.py): a directory, or {dir, sample, redact, file_bytes, max_bytes,
     # queue}; None: off
     capture: CaptureSettings | dict[str, Any] | str | None = None
+    # A vision graft's directory (kvyard graft vision): its encoder and projector turn chat requests' images into
+    # soft tokens for the engine's model, the graft's language model. Set by `--model GRAFTDIR`.
+    graft: str | None = None
 
     def __post_init__(self) -> None:
         self.max_body_bytes = parse_bytes(self.max_body_bytes)
@@ -170,4 +174,9 @@ def build_configs(
         server["repetition_guard"] = {**(guard if isinstance(guard, dict) else {}), "action": action}
     check_fields(EngineConfig, engine, "engine")
     check_fields(ServerSettings, server, "server")
+    if is_graft(engine.get("model")):
+        # The graft's directory is served as its language model, with images; it names the served model
+        server["graft"] = str(engine["model"])
+        server.setdefault("served_model_name", Path(engine["model"]).expanduser().resolve().name)
+        engine["model"] = GraftConfig.read(engine["model"]).model
     return EngineConfig(**engine), ServerSettings(**server)

@@ -13,6 +13,7 @@ from kvyard.server.metrics import CaptureCollector, ServerMetrics
 from kvyard.server.structured import GrammarService
 from kvyard.server.tokenization import FrontendTokenizer
 from kvyard.shadow.capture import CaptureSettings, TraceCapture, config_fingerprint
+from kvyard.vision.runtime import VisionGraft
 
 
 @dataclass
@@ -29,6 +30,7 @@ class ServerContext:
     # What a request that leaves a sampling parameter out gets (settings.generation_config)
     generation_defaults: dict[str, float | int] = field(default_factory=dict)
     capture: TraceCapture | None = None  # settings.capture: sampled requests to JSON lines
+    vision: VisionGraft | None = None  # settings.graft: images in chat requests become soft tokens
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -53,6 +55,7 @@ class ServerContext:
             capture=None if not isinstance(settings.capture, CaptureSettings) else TraceCapture(
                 settings.capture, settings.served_model_name or engine.model_name, f"{settings.host}:{settings.port}",
                 config_fingerprint(engine.engine_config), copy.deepcopy(engine.tokenizer).decode),
+            vision=VisionGraft(settings.graft, engine.model_config.hidden_size) if settings.graft else None,
         )
 
     def check_model(self, name: str | None) -> str:

@@ -152,16 +152,24 @@ class CompletionRequest(SamplingFields):
     best_of: Count | None = None
 
 
-class TextPart(OpenAIModel):
+class ImageURL(OpenAIModel):
+    url: StrictStr  # a data URL (kvyard/vision/images.py): remote ones are refused, nothing is fetched
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ContentPart(OpenAIModel):
     type: StrictStr
     text: StrictStr | None = None
+    image_url: ImageURL | None = None
 
     @model_validator(mode="after")
-    def _text_only(self) -> "TextPart":
-        if self.type != "text":
-            raise ValueError(f"only text content parts are supported, got type {self.type!r}")
-        if self.text is None:
+    def _known_type(self) -> "ContentPart":
+        if self.type not in ("text", "image_url"):
+            raise ValueError(f"only text and image_url content parts are supported, got type {self.type!r}")
+        if self.type == "text" and self.text is None:
             raise ValueError("a text part needs text")
+        if self.type == "image_url" and self.image_url is None:
+            raise ValueError("an image_url part needs image_url")
         return self
 
 
@@ -178,7 +186,7 @@ class ToolCall(OpenAIModel):
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: StrictStr | None = None
@@ -191,13 +199,22 @@ class ChatMessage(OpenAIModel):
             raise ValueError("only assistant messages carry tool_calls")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a tool message needs tool_call_id")
+        if self.image_urls() and self.role != "user":
+            raise ValueError(f"images go in user messages, not {self.role} ones")
         return self
 
-    def for_template(self) -> dict[str, Any]:
-        """The dict a chat template sees: text parts joined, `developer` as `system`, nothing unset."""
+    def image_urls(self) -> list[str]:
+        """The URLs of its image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if part.image_url is not None]
+
+    def for_template(self, image_marker: str = "<image>") -> dict[str, Any]:
+        """The dict a chat template sees: parts joined by newlines, each image as `image_marker` (a vision graft's
+        placeholder, where its soft tokens go), `developer` as `system`, nothing unset."""
         content = self.content
         if isinstance(content, list):
-            content = "\n".join(part.text or "" for part in content)
+            content = "\n".join(image_marker if part.type == "image_url" else part.text or "" for part in content)
         msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             msg["name"] = self.name

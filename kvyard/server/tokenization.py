@@ -34,26 +34,40 @@ class FrontendTokenizer:
     async def decode(self, token_ids: Sequence[int]) -> str:
         return await self._call(lambda: self._tok.decode(list(token_ids)))
 
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+        """The conversation through the chat template, as text (on the tokenizer's thread)."""
+        if self._tok.chat_template is None:
+            raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
+        kwargs: dict[str, Any] = {"tools": tools} if tools else {}
+        try:
+            return self._tok.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                continue_final_message=continue_final_message, **kwargs
+            )
+        except Exception as e:
+            # Templates reject conversations they cannot express (roles out of order, a tool call
+            # where the template expects text, ...): that is the request's fault, hence a 400.
+            raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from e
+
     async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                    add_generation_prompt: bool = True, continue_final_message: bool = False,
                    add_special_tokens: bool = False) -> list[int]:
         """The conversation through the chat template, as token ids. The template writes its own special
         tokens, so the rendered text is encoded without adding more unless asked (/tokenize's option)."""
         def render() -> list[int]:
-            if self._tok.chat_template is None:
-                raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
-            kwargs: dict[str, Any] = {"tools": tools} if tools else {}
-            try:
-                text = self._tok.apply_chat_template(
-                    messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                    continue_final_message=continue_final_message, **kwargs
-                )
-            except Exception as e:
-                # Templates reject conversations they cannot express (roles out of order, a tool call
-                # where the template expects text, ...): that is the request's fault, hence a 400.
-                raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from e
             # What apply_chat_template(tokenize=True) does, with the choice of special tokens left open.
+            text = self._render(messages, tools, add_generation_prompt, continue_final_message)
             return self._tok(text, add_special_tokens=add_special_tokens).input_ids
+
+        return await self._call(render)
+
+    async def chat_pieces(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                          marker: str) -> list[list[int]]:
+        """The templated conversation cut at each `marker` (an image's place), each piece as token ids."""
+        def render() -> list[list[int]]:
+            pieces = self._render(messages, tools).split(marker)
+            return [self._tok(p, add_special_tokens=False).input_ids for p in pieces]
 
         return await self._call(render)
 

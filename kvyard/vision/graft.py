@@ -19,15 +19,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 from tqdm import tqdm
 
 from kvyard.training import right_pad
+from kvyard.vision.config import PROJECTOR_FILE, GraftConfig
 from kvyard.vision.easy_vqa import Question, read_split
 from kvyard.vision.encoder import EfficientNetLite0, normalise
+from kvyard.vision.images import file_pixels
 from kvyard.vision.projector import Projector
 
 PLACEHOLDER = "<image>"
+IMAGE_SIZE = 64  # easy-VQA's images: what the projector is trained on, and what served images are resized to
 
 
 @dataclass
@@ -89,16 +91,10 @@ def encode_images(encoder: EfficientNetLite0, paths: list[Path], batch: int = 64
     with torch.no_grad():
         for start in range(0, len(paths), batch):
             chunk = paths[start : start + batch]
-            pixels = torch.stack([_pixels(p) for p in chunk])
+            pixels = torch.stack([file_pixels(p, IMAGE_SIZE) for p in chunk])
             for p, f in zip(chunk, encoder.features(normalise(pixels)), strict=True):
                 out[p] = f
     return out
-
-
-def _pixels(path: Path) -> torch.Tensor:
-    with Image.open(path) as image:
-        rgb = torch.frombuffer(bytearray(image.convert("RGB").tobytes()), dtype=torch.uint8)
-        return rgb.view(image.height, image.width, 3).permute(2, 0, 1).float() / 255.0
 
 
 def describing_words(questions: list[Question]) -> dict[Path, str]:
@@ -165,11 +161,10 @@ def train_graft(s: GraftSettings) -> dict[str, Any]:
     text_only = evaluate(lm, None, fmt, features, held, fmt.placeholder_id)
     out = Path(s.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in projector.state_dict().items()}, str(out / "projector.safetensors"))
-    config = {"model": str(ckpt.path), "encoder": str(encoder_path), "tokens": s.tokens, "width": s.width,
-              "feature_dim": HEAD_CHANNELS, "hidden": lm.config.hidden_size, "placeholder": PLACEHOLDER,
-              "placeholder_id": fmt.placeholder_id}
-    (out / "graft.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in projector.state_dict().items()}, str(out / PROJECTOR_FILE))
+    GraftConfig(model=_reference(s.model), encoder=_reference(s.encoder), tokens=s.tokens, width=s.width,
+                feature_dim=HEAD_CHANNELS, hidden=lm.config.hidden_size, placeholder=PLACEHOLDER,
+                placeholder_id=fmt.placeholder_id, image_size=IMAGE_SIZE).write(out)
     report = {"settings": asdict(s), "least_squares_relative_error": ls_error, "steps": len(losses),
               "first_loss": losses[0] if losses else None,
               "last_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
@@ -178,6 +173,11 @@ def train_graft(s: GraftSettings) -> dict[str, Any]:
               "seconds": round(time.perf_counter() - started, 1)}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _reference(model: str) -> str:
+    """How graft.json names a model: a registry name as it is (fetched where it is served), a path absolute."""
+    return str(Path(model).expanduser().resolve()) if Path(model).expanduser().exists() else model
 
 
 def _fit(lm: Any, fmt: GraftFormat, features: dict[Path, torch.Tensor], train: list[Question],
