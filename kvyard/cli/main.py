@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.set_defaults(func=cmd_fetch)
 
     from kvyard.bench.disagg import add_disagg_bench_parser
+    from kvyard.bench.graft import add_graft_bench_parser
     from kvyard.bench.kv_transfer import add_kv_transfer_bench_parser
     from kvyard.bench.lora import add_lora_bench_parser
     from kvyard.bench.lora_loop import add_lora_loop_bench_parser
@@ -113,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_bench_parser(bench)
     add_lora_bench_parser(bench)
     add_lora_loop_bench_parser(bench)
+    add_graft_bench_parser(bench)
     return parser
 
 

@@ -9,7 +9,7 @@ from kvyard.server.config import ServerSettings
 from kvyard.server.disagg import Disaggregation
 from kvyard.server.errors import APIError
 from kvyard.server.guards import Admission, DrainState
-from kvyard.server.metrics import CaptureCollector, ServerMetrics
+from kvyard.server.metrics import CaptureCollector, ServerMetrics, VisionCollector
 from kvyard.server.structured import GrammarService
 from kvyard.server.tokenization import FrontendTokenizer
 from kvyard.shadow.capture import CaptureSettings, TraceCapture, config_fingerprint
@@ -36,6 +36,8 @@ class ServerContext:
     def __post_init__(self) -> None:
         if self.capture is not None:
             self.metrics.registry.register(CaptureCollector(self.capture))
+        if self.vision is not None:
+            self.metrics.registry.register(VisionCollector(self.vision))
 
     @classmethod
     def build(cls, engine: AsyncEngine, settings: ServerSettings) -> "ServerContext":

@@ -135,6 +135,19 @@ class CaptureCollector(Collector):
                                   "write failed); serving never waits on it", value=self.capture.dropped)
 
 
+class VisionCollector(Collector):
+    """A served graft's image work (kvyard/vision/runtime.py): encoder runs, and images its cache answered."""
+
+    def __init__(self, vision: Any):
+        self.vision = vision
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("kvyard_vision_encoder_runs", "Images the encoder and projector turned into soft "
+                                  "tokens", value=self.vision.encoder_runs)
+        yield CounterMetricFamily("kvyard_vision_cache_hits", "Images whose soft tokens came from the cache (the "
+                                  "same bytes seen before)", value=self.vision.cache_hits)
+
+
 class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats]):
         self.registry = CollectorRegistry()

@@ -232,8 +232,13 @@ def evaluate(lm: Any, projector: Projector | None, fmt: GraftFormat, features: d
         embeds, mask, _ = embeddings(lm, [prompt], soft, [[]], pad)
         out = lm.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=max_new_tokens,
                           do_sample=False, pad_token_id=pad)
-        words = fmt.tokenizer.decode(out[0], skip_special_tokens=True).strip().lower().split()
-        hit = bool(words) and words[0].strip(".,!") == q.answer
+        hit = answers(fmt.tokenizer.decode(out[0], skip_special_tokens=True), q.answer)
         hits[q.kind].append(hit)
         hits["all"].append(hit)
     return {kind: sum(h) / len(h) for kind, h in sorted(hits.items())}
+
+
+def answers(text: str, answer: str) -> bool:
+    """Exact match: the reply's first word, lower-cased and without trailing punctuation, is the answer."""
+    words = text.strip().lower().split()
+    return bool(words) and words[0].strip(".,!") == answer
