@@ -128,7 +128,7 @@ class ModelConfig:
             family = _gemma3_fields(cfg, source, num_layers)
             rope_theta, rope_scaling = family.pop("rope_theta"), family.pop("rope_scaling")
         elif window:
-            family["layer_windows"] = (int(window),) * num_layers  # mistral: every layer slides
+            family["layer_windows"] = _sliding_layers(cfg, model_type, int(window), num_layers)
         if model_type in MOE_MODEL_TYPES:
             family.update(_moe_fields(cfg, model_type, num_layers))
         if model_type in MLA_MODEL_TYPES:
@@ -153,6 +153,18 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             **family,
         )
+
+
+def _sliding_layers(cfg: dict[str, Any], model_type: str, window: int, num_layers: int) -> tuple[int | None, ...]:
+    """Which layers slide, as HF reads it: `layer_types` where given; else qwen2's layers from max_window_layers
+    on; else (mistral) every layer."""
+    kinds = cfg.get("layer_types")
+    if kinds is None and model_type == "qwen2":
+        first = int(cfg.get("max_window_layers", 28))
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if kinds is None:
+        return (window,) * num_layers
+    return tuple(window if k == "sliding_attention" else None for k in kinds)
 
 
 def _gemma3_fields(cfg: dict[str, Any], source: str, num_layers: int) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 as a checkpoint kvyard serves, and report what it costs against the original: KV bytes per token, and the
 next-token KL and top-1 agreement on held-out text in the original's own distribution (its greedy continuations
 of kvyard's held-out chat prompts), after the conversion and after the distillation. With a distillation, the
-undistilled conversion is kept in OUT/converted for comparisons (`kvyard bench spec --target OUT/converted`)."""
+undistilled conversion is kept in OUT/converted for comparisons (`kvyard bench spec --target OUT/converted`).
+KV bytes are counted per token of a `kv_context`-token sequence, where a sliding layer holds only its window."""
 
 import json
 import time
@@ -20,8 +21,11 @@ from kvyard.retrofit.distill import DistillSettings, distill_back
 class RetrofitSettings:
     model: str  # a name, HF directory or .gguf file
     out: str  # the converted checkpoint's directory
-    attention: str = "mqa"
+    attention: str = "mqa"  # mqa: fewer KV heads; swa: sliding-window attention on chosen layers
     kv_heads: int = 1  # mqa: the KV heads left
+    window: int = 128  # swa: the window, in positions
+    layers: str = "all"  # swa: the layers that slide (all, or indices and ranges: 2-27,29)
+    kv_context: int = 2048  # KV bytes are counted for a sequence this long (a sliding layer keeps its window)
     eval_prompts: int = 16  # held-out prompts whose continuations measure the divergence
     kv_dtype: str = "auto"  # for the KV bytes per token (the engine's kv_cache_dtype)
     dtype: str = "bfloat16"  # the serving dtype (KV bytes are counted in it; the original's answers come in it)
@@ -30,8 +34,8 @@ class RetrofitSettings:
     distill: DistillSettings = field(default_factory=DistillSettings)
 
     def __post_init__(self) -> None:
-        if self.attention != "mqa":
-            raise ConfigError(f"--attention {self.attention!r}: only mqa is implemented", param="attention")
+        if self.attention not in ("mqa", "swa"):
+            raise ConfigError(f"--attention {self.attention!r}: mqa or swa", param="attention")
 
 
 def retrofit(s: RetrofitSettings) -> dict[str, Any]:
@@ -41,21 +45,20 @@ def retrofit(s: RetrofitSettings) -> dict[str, Any]:
     from kvyard.loader.hf_model import hf_causal_lm
     from kvyard.loader.registry import resolve_model
     from kvyard.models.derived import divergence, original_texts, save_checkpoint
-    from kvyard.retrofit.attention import pool_kv_heads
 
     started = time.perf_counter()
     ckpt = load_checkpoint(resolve_model(s.model))
     weights = {name: t.float() for name, t in ckpt.tensors()}
     original = hf_causal_lm(ckpt.hf_config, weights)
-    config, converted_weights = pool_kv_heads(ckpt.hf_config, weights, s.kv_heads)
+    config, converted_weights = _convert(ckpt.hf_config, weights, s)
     out = Path(s.out).expanduser()
     save_checkpoint(out, config, converted_weights, ckpt.tokenizer)
     converted = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     held_out = original_texts(ckpt.tokenizer, original, s.eval_prompts, offset=-s.eval_prompts)
     before, after = _kv_bytes(ckpt.hf_config, s), _kv_bytes(config, s)
     report = {"settings": asdict(s), "source": str(ckpt.path),
-              "kv_heads": [int(ckpt.hf_config.get("num_key_value_heads") or 0), s.kv_heads],
-              "kv_bytes_per_token": [before, after], "kv_saving": before / after,
+              "kv_heads": [int(ckpt.hf_config.get("num_key_value_heads") or 0), int(config["num_key_value_heads"])],
+              "kv_bytes_per_token": [before, after], "kv_context": s.kv_context, "kv_saving": before / after,
               "converted": divergence(original, converted, held_out)}
     if s.distill_prompts:
         save_checkpoint(out / "converted", config, converted_weights, ckpt.tokenizer)  # kept, to compare with
@@ -82,8 +85,22 @@ def _original_answers(path: Path, s: RetrofitSettings) -> list[Any]:
     return samples
 
 
-def _kv_bytes(hf_config: dict[str, Any], s: RetrofitSettings) -> int:
+def _convert(hf_config: dict[str, Any], weights: dict[str, torch.Tensor], s: RetrofitSettings
+             ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    from kvyard.retrofit.attention import parse_layers, pool_kv_heads, slide_layers
+
+    if s.attention == "mqa":
+        return pool_kv_heads(hf_config, weights, s.kv_heads)
+    return slide_layers(hf_config, weights, s.window, parse_layers(s.layers, int(hf_config["num_hidden_layers"])))
+
+
+def _kv_bytes(hf_config: dict[str, Any], s: RetrofitSettings) -> float:
+    """KV bytes per token of a `kv_context`-token sequence: a sliding layer holds only its window's."""
     from kvyard.models.config import ModelConfig
     from kvyard.plan.memory import kv_bytes_per_token
 
-    return kv_bytes_per_token(ModelConfig.from_hf(hf_config), s.kv_dtype, getattr(torch, s.dtype))
+    cfg = ModelConfig.from_hf(hf_config)
+    per_layer = kv_bytes_per_token(cfg, s.kv_dtype, getattr(torch, s.dtype)) / cfg.num_layers
+    windows = cfg.layer_windows or (None,) * cfg.num_layers
+    held = sum(min(s.kv_context, w) if w is not None else s.kv_context for w in windows)
+    return per_layer * held / s.kv_context

@@ -50,9 +50,11 @@ class SpeculatorConfig:
 
 
 def target_fingerprint(hf_config: dict[str, Any], embed: torch.Tensor) -> str:
-    """sha256 of the target's shape and its float32 embedding matrix (what the drafter's layers were fitted to)."""
+    """sha256 of the target's shape and its float32 embedding matrix (what the drafter's layers were fitted to).
+    The architecture's name is left out: a retrofit that rewrites a llama checkpoint as qwen2 with sliding
+    windows (kvyard/retrofit/attention.py) keeps the embedding and the hidden states' width the drafter reads."""
     h = hashlib.sha256()
-    shape = {k: hf_config.get(k) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")}
+    shape = {k: hf_config.get(k) for k in ("vocab_size", "hidden_size", "num_hidden_layers")}
     h.update(json.dumps(shape, sort_keys=True).encode())
     h.update(embed.detach().float().contiguous().numpy().tobytes())
     return h.hexdigest()
