@@ -46,6 +46,7 @@ class KVGroups:
     window: int | None = None
     sliding_window: int | None = None
     sliding_layers: frozenset[int] = frozenset()
+    sinks: int = 0  # the first positions every sliding layer also sees: their blocks are never given back
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> "KVGroups":
@@ -54,10 +55,11 @@ class KVGroups:
         if not slides:
             return cls()
         # Layers with a smaller window than their pool's read less of it (their own mask); the largest rules.
+        sinks = cfg.sliding_window_sinks
         if len(slides) == len(windows):
-            return cls(window=max(slides))
+            return cls(window=max(slides), sinks=sinks)
         return cls(sliding_window=max(slides),
-                   sliding_layers=frozenset(i for i, w in enumerate(windows) if w is not None))
+                   sliding_layers=frozenset(i for i, w in enumerate(windows) if w is not None), sinks=sinks)
 
 
 def pool_sizes(cfg: ModelConfig, groups: KVGroups, block_size: int, dtype: torch.dtype, budget_bytes: int,
@@ -69,7 +71,8 @@ def pool_sizes(cfg: ModelConfig, groups: KVGroups, block_size: int, dtype: torch
     n = num_blocks_for_budget(cfg, block_size, dtype, budget_bytes, kv_dtype)
     if groups.sliding_window is None:
         return n, 0
-    window_blocks = -(-(groups.sliding_window - 1) // block_size) + 2  # a window straddles one more block
+    # A window straddles one more block; the sink positions' blocks are kept too
+    window_blocks = -(-(groups.sliding_window - 1) // block_size) + 2 + -(-groups.sinks // block_size)
     cap = max_num_seqs * window_blocks + -(-max_num_batched_tokens // block_size)
     if cap >= n:
         return n, n

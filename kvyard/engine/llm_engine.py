@@ -362,12 +362,13 @@ class LLMEngine:
     def _block_pools(self, num_blocks: int, window_blocks: int) -> BlockManager:
         cfg, groups = self.cfg, self.kv_groups
         if groups.window is not None:
-            return WindowBlocks(num_blocks, cfg.block_size, groups.window, cfg.enable_prefix_caching)
+            return WindowBlocks(num_blocks, cfg.block_size, groups.window, cfg.enable_prefix_caching,
+                                sinks=groups.sinks)
         if groups.sliding_window is not None:
             log.info("KV pools: %d blocks for the full-attention layers, %d for the %d sliding-window layers",
                      num_blocks, window_blocks, len(groups.sliding_layers))
             return HybridBlocks(num_blocks, window_blocks, cfg.block_size, groups.sliding_window,
-                                cfg.enable_prefix_caching)
+                                cfg.enable_prefix_caching, sinks=groups.sinks)
         return BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
 
     def _weights(self, ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:

@@ -8,7 +8,7 @@ from kvyard.engine.kv_cache import KVGroups
 from kvyard.engine.request import Request
 from kvyard.engine.scheduler import ScheduledBatch
 from kvyard.engine.soft_tokens import chunk_rows, step_embeds
-from kvyard.models.attention import AttentionMetadata, PrefillSpan, causal_context_mask
+from kvyard.models.attention import AttentionMetadata, PrefillSpan, causal_context_mask, position_mask
 from kvyard.models.decoder import DecoderModel
 from kvyard.models.kv_layer import LayerKV
 
@@ -104,7 +104,7 @@ class ModelRunner:
                     prompt_indices.extend(range(row + first - start, row + end - start))
         dev = self.device
         metas = [AttentionMetadata(slot_mapping=torch.tensor(v.slots, device=dev), block_size=self.block_size,
-                                   prefills=v.prefills) for v in views]
+                                   prefills=v.prefills, sinks=self.groups.sinks) for v in views]
         if decodes:
             for view, m in zip(views, metas, strict=True):
                 self._decode_metadata(view, decodes, m)
@@ -132,6 +132,13 @@ class ModelRunner:
         # chunk's first query sees. The mask is relative to the context's end, so it starts there too.
         first = 0 if view.window is None else max(0, start - view.window + 1)
         ctx = start + n
+        sinks = min(self.groups.sinks, first) if view.window is not None else 0
+        if sinks:
+            # The window's keys after the sink positions the sliding layers also see (their blocks are kept)
+            keys = torch.cat([torch.arange(sinks), torch.arange(first, ctx)]).to(self.device)
+            slots = self._slots(view.table(req), 0, sinks) + self._slots(view.table(req), first, ctx)
+            return PrefillSpan(row, row + n, torch.tensor(slots, device=self.device),
+                               position_mask(keys[-n:], keys), keys)
         return PrefillSpan(
             row,
             row + n,

@@ -13,7 +13,8 @@ Two arrangements:
   own table per request (`Request.window_table`), sized so that every running request's window fits.
 
 A prefix-cache hit of h blocks needs, for the sliding layers, only the blocks that the window ending at
-position h * block_size covers; `window_hits` finds them by the same chained hashes.
+position h * block_size covers; `window_hits` finds them by the same chained hashes. With attention sinks the
+blocks of the first `sinks` positions are seen by every query: they are never given back, and a hit needs them.
 """
 
 from collections.abc import Sequence
@@ -25,10 +26,12 @@ from kvyard.errors import ConfigError
 
 class WindowBlocks(BlockManager):
     def __init__(self, num_blocks: int, block_size: int, window: int, enable_prefix_caching: bool = True,
-                 second_pool: bool = False):
+                 second_pool: bool = False, sinks: int = 0):
         super().__init__(num_blocks, block_size, enable_prefix_caching)
         self.window = window
         self.second_pool = second_pool  # True: the request's table is window_table (HybridBlocks)
+        # The blocks of the first `sinks` positions, which the sliding layers always see: never given back
+        self.sink_blocks = -(-sinks // block_size)
 
     def table(self, req: Request) -> list[int]:
         return req.window_table if self.second_pool else req.block_table
@@ -50,8 +53,8 @@ class WindowBlocks(BlockManager):
         super().commit(req)  # registered first, so a block given back can still be hit
         table = self.table(req)
         i = min(self.first_live_block(req.num_computed_tokens), len(table)) - 1
-        # Given-back blocks form a prefix of the table: walk back from the window's edge to the last one.
-        while i >= 0 and table[i] != NULL_BLOCK:
+        # Given-back blocks form a run after the sink blocks: walk back from the window's edge to its last one.
+        while i >= self.sink_blocks and table[i] != NULL_BLOCK:
             self.release([table[i]])
             table[i] = NULL_BLOCK
             i -= 1
@@ -86,10 +89,11 @@ class WindowBlocks(BlockManager):
 
     def _hits_with(self, present: list[int | None], h: int) -> list[int] | None:
         first = self.first_live_block(h * self.block_size)
+        sinks = present[: min(self.sink_blocks, first)]
         live = present[first:h]
-        if any(b is None for b in live):
+        if any(b is None for b in sinks + live):
             return None
-        return [NULL_BLOCK] * first + live  # type: ignore[operator]
+        return sinks + [NULL_BLOCK] * (first - len(sinks)) + live  # type: ignore[operator]
 
 
 class HybridBlocks(BlockManager):
@@ -97,9 +101,10 @@ class HybridBlocks(BlockManager):
     sliding layers' pool (`window_pool`); a request fits when it fits both."""
 
     def __init__(self, num_blocks: int, window_blocks: int, block_size: int, window: int,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, sinks: int = 0):
         super().__init__(num_blocks, block_size, enable_prefix_caching)
-        self.window_pool = WindowBlocks(window_blocks, block_size, window, enable_prefix_caching, second_pool=True)
+        self.window_pool = WindowBlocks(window_blocks, block_size, window, enable_prefix_caching, second_pool=True,
+                                        sinks=sinks)
 
     def _window_hits(self, req: Request, hits: Sequence[int]) -> list[int]:
         if not hits:

@@ -24,6 +24,9 @@ class PrefillSpan:
     context_slots: torch.Tensor | None
     # [chunk, context] bool: always with context_slots; without them, only where a sliding window cuts the chunk
     mask: torch.Tensor | None
+    # The context keys' positions where they are not 0 .. context - 1 shifted: a window's keys after sink tokens
+    # (the chunk's queries are the last `chunk` of them); None: contiguous
+    key_positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -40,6 +43,8 @@ class AttentionMetadata:
     # Which rows run with which LoRA adapter (kvyard.lora.stack.LoraRows), None: every row the base model's; it
     # travels with the step's metadata so that every layer sees it
     adapter_rows: Any = None
+    # Sliding-window layers also see the first `sinks` positions (attention sinks; ModelConfig.sliding_window_sinks)
+    sinks: int = 0
     # (rows, embeddings) that replace those rows' token embeddings: soft tokens (kvyard/engine/soft_tokens.py)
     soft_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     _decode_mask: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -58,15 +63,15 @@ class AttentionMetadata:
         return self._windowed[window]
 
     def _restricted_to(self, window: int) -> "AttentionMetadata":
-        spans = [windowed_span(s, window, self.slot_mapping.device) for s in self.prefills]
-        long_decodes = self.decode_lens is not None and bool((self.decode_lens > window).any())
+        spans = [windowed_span(s, window, self.slot_mapping.device, self.sinks) for s in self.prefills]
+        long_decodes = self.decode_lens is not None and bool((self.decode_lens > window + self.sinks).any())
         if not long_decodes and all(a is b for a, b in zip(spans, self.prefills, strict=True)):
             return self
         out = AttentionMetadata(self.slot_mapping, self.block_size, self.num_decodes, self.decode_blocks,
-                                self.decode_lens, spans)
+                                self.decode_lens, spans, sinks=self.sinks)
         if long_decodes:
             out.decode_blocks, out.decode_lens = window_slots(self.decode_blocks, self.decode_lens, self.block_size,
-                                                              window)
+                                                              window, self.sinks)
             out.block_size = 1
         return out
 
@@ -82,33 +87,50 @@ class AttentionMetadata:
         return self._decode_mask
 
 
-def causal_context_mask(chunk: int, context: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+def causal_context_mask(chunk: int, context: int, device: torch.device, window: int | None = None,
+                        sinks: int = 0) -> torch.Tensor:
     """Query i of a chunk at the end of `context` keys may see keys 0 .. context - chunk + i (and, with a
-    sliding window, none `window` or more positions behind it)."""
-    q = torch.arange(chunk, device=device).unsqueeze(1) + (context - chunk)
-    k = torch.arange(context, device=device).unsqueeze(0)
-    return (k <= q) & (k > q - window) if window is not None else k <= q
+    sliding window, none `window` or more positions behind it but the first `sinks`)."""
+    k = torch.arange(context, device=device)
+    return position_mask(k[context - chunk :], k, window, sinks)
 
 
-def windowed_span(span: PrefillSpan, window: int, device: torch.device) -> PrefillSpan:
-    """A prefill chunk under a sliding window: itself when no query has keys `window` positions behind it."""
+def position_mask(q: torch.Tensor, k: torch.Tensor, window: int | None = None, sinks: int = 0) -> torch.Tensor:
+    """[queries, keys] bool from their positions: causal, and within `window` (HF's k > q - window) or among the
+    first `sinks` positions."""
+    q, k = q.unsqueeze(1), k.unsqueeze(0)
+    if window is None:
+        return k <= q
+    return (k <= q) & ((k > q - window) | (k < sinks))
+
+
+def windowed_span(span: PrefillSpan, window: int, device: torch.device, sinks: int = 0) -> PrefillSpan:
+    """A prefill chunk under a sliding window: itself when no query has keys it hides."""
     chunk = span.end - span.start
+    if span.key_positions is not None:
+        keys = span.key_positions
+        return PrefillSpan(span.start, span.end, span.context_slots,
+                           position_mask(keys[-chunk:], keys, window, sinks), keys)
     context = chunk if span.mask is None else span.mask.shape[1]
-    if context <= window:
+    if context <= window + sinks:
         return span
     return PrefillSpan(span.start, span.end, span.context_slots,
-                       causal_context_mask(chunk, context, device, window))
+                       causal_context_mask(chunk, context, device, window, sinks))
 
 
-def window_slots(blocks: torch.Tensor, lens: torch.Tensor, block_size: int, window: int
+def window_slots(blocks: torch.Tensor, lens: torch.Tensor, block_size: int, window: int, sinks: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each decode row's last min(len, window) positions as a table of single slots (a block size of 1) and
-    their count: the decode kernel then walks only the window, with no mask inside a block."""
-    start = (lens - window).clamp(min=0)
-    width = int((lens - start).max())
-    pos = start.unsqueeze(1) + torch.arange(width, device=lens.device)
+    """Each decode row's first min(len, sinks) positions and its last ones within the window, as a table of single
+    slots (a block size of 1), and their count: the decode kernel then walks only those, with no mask inside a
+    block."""
+    first = lens.clamp(max=sinks)  # the sink positions each row has
+    start = torch.maximum(lens - window, torch.full_like(lens, sinks)).clamp(max=lens)  # the window's first
+    count = first + lens - start
+    width = int(count.max())
+    j = torch.arange(width, device=lens.device).unsqueeze(0)
+    pos = torch.where(j < first.unsqueeze(1), j, start.unsqueeze(1) + j - first.unsqueeze(1))
     pos = torch.minimum(pos, (lens - 1).unsqueeze(1))  # past a shorter row's end: padding, never read
-    return blocks.gather(1, pos // block_size) * block_size + pos % block_size, lens - start
+    return blocks.gather(1, pos // block_size) * block_size + pos % block_size, count
 
 
 def paged_attention(

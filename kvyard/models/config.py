@@ -48,6 +48,9 @@ class ModelConfig:
     # Per layer: the sliding window (a query sees keys fewer than this many positions behind it), or None for
     # full attention; empty when no layer slides.
     layer_windows: tuple[int | None, ...] = ()
+    # Sliding layers also see the first this many positions (attention sinks, as StreamingLLM keeps them); a
+    # kvyard key of retrofitted checkpoints (`kvyard retrofit --sinks`), which HF does not read
+    sliding_window_sinks: int = 0
     local_rope_theta: float | None = None  # Gemma 3's sliding layers rotate with a base of their own
     query_pre_attn_scalar: float | None = None  # attention scales by its -1/2 power; None: head_dim's
     final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
@@ -129,6 +132,7 @@ class ModelConfig:
             rope_theta, rope_scaling = family.pop("rope_theta"), family.pop("rope_scaling")
         elif window:
             family["layer_windows"] = _sliding_layers(cfg, model_type, int(window), num_layers)
+            family["sliding_window_sinks"] = int(cfg.get("sliding_window_sinks") or 0)
         if model_type in MOE_MODEL_TYPES:
             family.update(_moe_fields(cfg, model_type, num_layers))
         if model_type in MLA_MODEL_TYPES:

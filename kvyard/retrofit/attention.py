@@ -51,9 +51,10 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
     return sorted(layers)
 
 
-def slide_layers(hf_config: dict[str, Any], weights: dict[str, torch.Tensor], window: int, layers: list[int]
-                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The model as a qwen2 checkpoint whose `layers` attend through a sliding window of `window` positions.
+def slide_layers(hf_config: dict[str, Any], weights: dict[str, torch.Tensor], window: int, layers: list[int],
+                 sinks: int = 0) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The model as a qwen2 checkpoint whose `layers` attend through a sliding window of `window` positions,
+    and to the first `sinks` positions (attention sinks: `sliding_window_sinks`, a key only kvyard reads).
 
     qwen2 is the llama-family config that HF (and kvyard) reads with per-layer `layer_types`; its q/k/v
     projections carry biases, which a llama or mistral source gets as zeros: the same function, exactly. Every
@@ -62,8 +63,8 @@ def slide_layers(hf_config: dict[str, Any], weights: dict[str, torch.Tensor], wi
     if model_type not in SLIDING_SOURCES:
         raise ConfigError(f"--attention swa converts {', '.join(SLIDING_SOURCES)} models, not {model_type!r}",
                           param="attention")
-    if window < 1:
-        raise ConfigError(f"--window {window} must be at least 1", param="window")
+    if window < 1 or sinks < 0:
+        raise ConfigError(f"--window {window} must be at least 1, --sinks {sinks} at least 0", param="window")
     if hf_config.get("attention_bias") or hf_config.get("mlp_bias"):
         raise ConfigError("--attention swa: an o_proj or MLP bias has no place in qwen2", param="attention")
     out = dict(weights)
@@ -76,4 +77,6 @@ def slide_layers(hf_config: dict[str, Any], weights: dict[str, torch.Tensor], wi
     config = {k: v for k, v in hf_config.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp")}
     config.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
                   sliding_window=window, max_window_layers=0, layer_types=kinds)
+    if sinks:
+        config["sliding_window_sinks"] = sinks
     return config, out

@@ -16,6 +16,8 @@ def add_retrofit_parser(sub: argparse._SubParsersAction) -> None:
                    help="mqa: mean-pool each group of KV heads into one; swa: sliding-window attention on --layers")
     p.add_argument("--kv-heads", type=int, default=1, help="mqa: the KV heads to keep (they divide the model's)")
     p.add_argument("--window", type=int, default=128, help="swa: the window, in positions")
+    p.add_argument("--sinks", type=int, default=0,
+                   help="swa: the first positions the sliding layers also see (attention sinks; their KV is kept)")
     p.add_argument("--layers", default="all", help="swa: the layers that slide: all, or indices and ranges (2-27,29)")
     p.add_argument("--kv-context", type=int, default=2048,
                    help="KV bytes are counted for a sequence this long (a sliding layer holds only its window)")
@@ -37,7 +39,7 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     distill = DistillSettings(minutes=args.distill_minutes, epochs=args.epochs, lr=args.lr, train=args.train,
                               progress=not args.no_progress)
     report = retrofit(RetrofitSettings(model=args.model, out=args.out, attention=args.attention,
-                                       kv_heads=args.kv_heads, window=args.window, layers=args.layers,
+                                       kv_heads=args.kv_heads, window=args.window, sinks=args.sinks, layers=args.layers,
                                        kv_context=args.kv_context, eval_prompts=args.eval_prompts, dtype=args.dtype,
                                        distill_prompts=args.distill_prompts, distill_tokens=args.distill_tokens,
                                        distill=distill))

@@ -15,6 +15,7 @@ import torch
 
 from kvyard.errors import ConfigError
 from kvyard.retrofit.distill import DistillSettings, distill_back
+from kvyard.retrofit.sinks import SinkMasks
 
 
 @dataclass
@@ -24,6 +25,7 @@ class RetrofitSettings:
     attention: str = "mqa"  # mqa: fewer KV heads; swa: sliding-window attention on chosen layers
     kv_heads: int = 1  # mqa: the KV heads left
     window: int = 128  # swa: the window, in positions
+    sinks: int = 0  # swa: the first positions the sliding layers also see (attention sinks)
     layers: str = "all"  # swa: the layers that slide (all, or indices and ranges: 2-27,29)
     kv_context: int = 2048  # KV bytes are counted for a sequence this long (a sliding layer keeps its window)
     eval_prompts: int = 16  # held-out prompts whose continuations measure the divergence
@@ -54,6 +56,8 @@ def retrofit(s: RetrofitSettings) -> dict[str, Any]:
     out = Path(s.out).expanduser()
     save_checkpoint(out, config, converted_weights, ckpt.tokenizer)
     converted = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    if config.get("sliding_window_sinks"):  # HF knows no sinks: its masks are made for it
+        converted = SinkMasks(converted, s.window, s.sinks).eval()
     held_out = original_texts(ckpt.tokenizer, original, s.eval_prompts, offset=-s.eval_prompts)
     before, after = _kv_bytes(ckpt.hf_config, s), _kv_bytes(config, s)
     report = {"settings": asdict(s), "source": str(ckpt.path),
@@ -91,16 +95,18 @@ def _convert(hf_config: dict[str, Any], weights: dict[str, torch.Tensor], s: Ret
 
     if s.attention == "mqa":
         return pool_kv_heads(hf_config, weights, s.kv_heads)
-    return slide_layers(hf_config, weights, s.window, parse_layers(s.layers, int(hf_config["num_hidden_layers"])))
+    layers = parse_layers(s.layers, int(hf_config["num_hidden_layers"]))
+    return slide_layers(hf_config, weights, s.window, layers, s.sinks)
 
 
 def _kv_bytes(hf_config: dict[str, Any], s: RetrofitSettings) -> float:
-    """KV bytes per token of a `kv_context`-token sequence: a sliding layer holds only its window's."""
+    """KV bytes per token of a `kv_context`-token sequence: a sliding layer holds only its window's and its sinks'."""
     from kvyard.models.config import ModelConfig
     from kvyard.plan.memory import kv_bytes_per_token
 
     cfg = ModelConfig.from_hf(hf_config)
     per_layer = kv_bytes_per_token(cfg, s.kv_dtype, getattr(torch, s.dtype)) / cfg.num_layers
     windows = cfg.layer_windows or (None,) * cfg.num_layers
-    held = sum(min(s.kv_context, w) if w is not None else s.kv_context for w in windows)
+    sinks = cfg.sliding_window_sinks
+    held = sum(min(s.kv_context, w + sinks) if w is not None else s.kv_context for w in windows)
     return per_layer * held / s.kv_context
