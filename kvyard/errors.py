@@ -32,6 +32,10 @@ class PromptTooLongError(InvalidRequestError):
     """The prompt does not fit the model's context window or the KV cache."""
 
 
+class AdapterBusyError(InvalidRequestError):
+    """A LoRA adapter cannot be unloaded while requests run with it: a conflict that passes (HTTP 409)."""
+
+
 class EngineDeadError(KvyardError):
     """The engine loop has stopped; no more requests are accepted."""
 

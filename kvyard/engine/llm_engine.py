@@ -30,7 +30,7 @@ from kvyard.engine.sampler import sample
 from kvyard.engine.scheduler import ScheduledBatch, Scheduler
 from kvyard.engine.soft_tokens import SoftTokens, check_spans
 from kvyard.engine.window_blocks import HybridBlocks, WindowBlocks
-from kvyard.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from kvyard.errors import AdapterBusyError, ConfigError, InvalidRequestError, PromptTooLongError
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.loader.checkpoint import Checkpoint, load_checkpoint
 from kvyard.loader.registry import resolve_model
@@ -253,8 +253,8 @@ class LLMEngine:
     def _refuse_while_in_use(self, name: str, what: str) -> None:
         running = self._lora_requests(name)
         if running:
-            raise InvalidRequestError(f"LoRA adapter {name!r} cannot be {what} while {running} request(s) run with "
-                                      f"it", param="lora_name")
+            raise AdapterBusyError(f"LoRA adapter {name!r} cannot be {what} while {running} request(s) run with it",
+                                   param="lora_name")
 
     def _bind_adapter(self, req: Request, name: str) -> None:
         """Run `req` with the adapter `name`, loaded for the next step (read again if the memory budget had

@@ -145,7 +145,7 @@ def _cleanup(client: httpx.Client, router: str, workers: list[str], candidate: s
             except httpx.HTTPError:
                 left.remove(url)
                 continue
-            if r.status_code == 200 or "while" not in r.text:  # done, or nothing to unload
+            if r.status_code != 409:  # done, or nothing to unload; 409: a request still runs with it
                 left.remove(url)
         if left:
             time.sleep(0.2)

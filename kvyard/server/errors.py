@@ -17,7 +17,13 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvyard.errors import EngineDeadError, InvalidRequestError, KvyardError, PromptTooLongError
+from kvyard.errors import (
+    AdapterBusyError,
+    EngineDeadError,
+    InvalidRequestError,
+    KvyardError,
+    PromptTooLongError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,8 @@ class APIError(Exception):
 def from_kvyard_error(e: KvyardError) -> APIError:
     if isinstance(e, PromptTooLongError):
         return APIError(400, str(e), param=e.param, code="context_length_exceeded")
+    if isinstance(e, AdapterBusyError):
+        return APIError(409, str(e), param=e.param, code="adapter_busy")
     if isinstance(e, InvalidRequestError):
         return APIError(400, str(e), param=e.param)
     if isinstance(e, EngineDeadError):

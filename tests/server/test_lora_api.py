@@ -88,3 +88,25 @@ def test_a_repetition_retry_runs_with_the_requests_adapter(make_engine, tiny_pat
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert (choice["text"], choice["finish_reason"]) == (retried.text, retried.finish_reason)
+
+
+def test_unloading_a_busy_adapter_is_a_409_until_its_requests_end(make_engine, adapters):
+    import threading
+
+    from tests.server.conftest import slow_down
+    from tests.server.harness import wait_until
+
+    engine = make_engine(lora_adapters={"plain": str(adapters["plain"])})
+    slow_down(engine, 0.05)  # a 40-token request runs about 2 s
+    with running_server(engine, enable_lora_runtime_updates=True) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        done = threading.Event()
+        threading.Thread(target=lambda: (client.completions.create(
+            model="plain", prompt=PROMPT, max_tokens=40, extra_body={"ignore_eos": True}), done.set()),
+            daemon=True).start()
+        assert wait_until(lambda: engine.stats().num_running >= 1, timeout=20)
+        busy = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "plain"}, timeout=30)
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "adapter_busy"
+        assert done.wait(30)
+        assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "plain"}, timeout=30
+                          ).status_code == 200
