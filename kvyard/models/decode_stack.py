@@ -4,7 +4,7 @@ A batch-1 step on CPU runs ~10 small kernels per layer; calling them one by one 
 as the kernels themselves outside the matmuls (~2.5 ms of an ~11 ms SmolLM2 step on a 2-core AMD EPYC). The
 C++ stack makes the same calls in the same order, so its outputs are bit-identical to `DecoderModel.run_layer`.
 
-It takes steps of decodes only, up to FUSED_MAX_ROWS rows, on CPU in fp32 or bf16, and only where each weight
+It takes steps of decodes only (with or without LoRA adapters on their rows), up to FUSED_MAX_ROWS rows, on CPU in fp32 or bf16, and only where each weight
 is one of the forms below; anything else (prefill chunks, oneDNN-packed weights, GPUs) runs layer by layer.
 """
 
@@ -30,6 +30,7 @@ FUSED_MAX_ROWS = linear_mod.FEW_ROWS
 # csrc/decode_stack.cpp's Kind
 DPBF16, AMX, LOW_BIT, AMX_LOW_BIT, LINEAR_BF16, DENSE, VNNI_LOW_BIT = range(7)
 
+STACK_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # csrc/decode_stack.cpp's Layer::lora order
 # kind, (weight, scale, zero, bias, outlier_cols, outliers), (bits, group, out_features, k_pad)
 LinearSpec = tuple[int, list[torch.Tensor | None], list[int]]
 
@@ -67,6 +68,11 @@ def build_decode_stack(model: DecoderModel) -> torch.ScriptObject | None:
             return None
         stack.add_layer(layer.input_norm, layer.post_norm, layer.qk_norm, layer.qk_scale, [s[0] for s in specs],
                         [t for s in specs for t in s[1]], [i for s in specs for i in s[2]])
+    for i, layer in enumerate(model.layers):  # the loaded LoRA adapters (a load or unload rebuilds the stack)
+        for p, projection in enumerate(STACK_PROJECTIONS):
+            lora = (layer.lora or {}).get(projection)
+            if lora is not None:
+                stack.set_lora(i, p, lora.a, lora.b, lora.used, lora.rank, lora.part_offsets)
     return stack
 
 
@@ -77,7 +83,8 @@ def takes_step(x: torch.Tensor, meta: AttentionMetadata, caches: list[LayerKV]) 
 
 
 def run_decode_stack(stack: torch.ScriptObject, x: torch.Tensor, meta: AttentionMetadata, caches: list[LayerKV],
-                     cos: torch.Tensor, sin: torch.Tensor) -> None:
+                     cos: torch.Tensor, sin: torch.Tensor, lora_slots: torch.Tensor | None = None) -> None:
+    """`lora_slots`: each decode row's LoRA adapter slot (-1: the base model), None when no row has one."""
     stack.forward(x, cos, sin, [c.k for c in caches], [c.v for c in caches], [c.k_scale for c in caches],
                   [c.v_scale for c in caches], meta.slot_mapping, meta.decode_blocks, meta.decode_lens,
-                  meta.block_size)
+                  meta.block_size, lora_slots)

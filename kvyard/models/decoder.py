@@ -215,11 +215,12 @@ class DecoderModel:
                    kv_caches: list[LayerKV]) -> torch.Tensor:
         """Every layer this model holds on the residual stream `x`, in place (and returned)."""
         ropes = self.rotary(positions)
-        self._adapter_rows = meta.adapter_rows
-        stack = None if meta.adapter_rows is not None else \
+        rows = self._adapter_rows = meta.adapter_rows
+        # Decode rows with adapters run in the stack too (each adds its own adapter's delta); prompt chunks not
+        stack = None if rows is not None and rows.segments else \
             self._decode_stack() if cpu_kernels.decode_stack_enabled() and takes_step(x, meta, kv_caches) else None
         if stack is not None and all(meta.windowed(layer.window) is meta for layer in self.layers):
-            run_decode_stack(stack, x, meta, kv_caches, *ropes[0])
+            run_decode_stack(stack, x, meta, kv_caches, *ropes[0], rows.decode_slots if rows is not None else None)
         else:
             for layer, cache, (cos, sin) in zip(self.layers, kv_caches, ropes, strict=True):
                 self.run_layer(x, layer, cache, meta, cos, sin)

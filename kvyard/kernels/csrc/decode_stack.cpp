@@ -53,10 +53,24 @@ struct Linear {
   }
 };
 
+// The loaded LoRA adapters' stacked pairs for one projection (kvyard/lora/stack.py's StackedLora); rank 0: none
+// adapts it. Each decode row adds its own adapter's delta after the projection (its slot; -1: the base model),
+// with the same kernel, on the same tensors, as DecoderModel._project.
+struct Lora {
+  at::Tensor a, b, used;
+  int64_t rank = 0;
+  std::vector<int64_t> offsets;
+
+  void add_(at::Tensor& out, const at::Tensor& x, const OptTensor& slots) const {
+    if (rank > 0 && slots) ops::lora_bgmv_(out, x.contiguous(), a, b, *slots, rank, used, offsets);
+  }
+};
+
 struct Layer {
   at::Tensor input_norm, post_norm;
   OptTensor qk_norm, qk_scale;
   Linear qkv, o, gate_up, down;
+  Lora lora[4];  // qkv, o, gate_up, down
 };
 
 class DecodeStack : public torch::CustomClassHolder {
@@ -82,13 +96,21 @@ class DecodeStack : public torch::CustomClassHolder {
                             lin[0], lin[1], lin[2], lin[3]});
   }
 
+  // Layer `layer`'s adapters for `projection` (0 qkv, 1 o, 2 gate_up, 3 down).
+  void set_lora(int64_t layer, int64_t projection, at::Tensor a, at::Tensor b, at::Tensor used, int64_t rank,
+                std::vector<int64_t> offsets) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers() && projection >= 0 && projection < 4, "no such projection");
+    layers_[layer].lora[projection] = Lora{std::move(a), std::move(b), std::move(used), rank, std::move(offsets)};
+  }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // Every layer on the residual stream x [rows, hidden], updated in place: run_layer in a loop, for a step of
   // decodes only (one query per row, attending through the block tables).
   void forward(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_caches,
                std::vector<at::Tensor> v_caches, c10::List<OptTensor> k_scales, c10::List<OptTensor> v_scales,
-               at::Tensor slots, at::Tensor block_table, at::Tensor seq_lens, int64_t block_size) {
+               at::Tensor slots, at::Tensor block_table, at::Tensor seq_lens, int64_t block_size,
+               OptTensor lora_slots) {
     const size_t n_layers = layers_.size();
     TORCH_CHECK(k_caches.size() == n_layers && v_caches.size() == n_layers && k_scales.size() == n_layers &&
                     v_scales.size() == n_layers, "one cache per layer");
@@ -103,7 +125,9 @@ class DecodeStack : public torch::CustomClassHolder {
       // attention
       const at::Tensor h_in = mlp_out.defined() ? ops::add_rms_norm_(x, mlp_out, layer.input_norm, eps_)
                                                 : ops::rms_norm(x, layer.input_norm, eps_);
-      at::Tensor qkv = layer.qkv(h_in).view({rows, heads_ + 2 * kv_heads_, head_dim_});
+      at::Tensor qkv_out = layer.qkv(h_in);
+      layer.lora[0].add_(qkv_out, h_in, lora_slots);
+      at::Tensor qkv = qkv_out.view({rows, heads_ + 2 * kv_heads_, head_dim_});
       at::Tensor qk = qkv.narrow(1, 0, heads_ + kv_heads_);
       if (layer.qk_norm) {
         const at::Tensor normed = at::rms_norm(qk.to(at::kFloat), {head_dim_}, std::nullopt, eps_);
@@ -114,10 +138,16 @@ class DecodeStack : public torch::CustomClassHolder {
       ops::rope_write_kv_(qkv, cos, sin, heads_, kv_heads_, k_caches[i], v_caches[i], k_scale, v_scale, slots);
       const at::Tensor attn = ops::paged_decode_attention(qkv.narrow(1, 0, heads_), k_caches[i], v_caches[i], k_scale,
                                                           v_scale, block_table, seq_lens, block_size, scale);
-      const at::Tensor h = layer.o(attn.reshape({rows, heads_ * head_dim_}));
+      const at::Tensor o_in = attn.reshape({rows, heads_ * head_dim_});
+      at::Tensor h = layer.o(o_in);
+      layer.lora[1].add_(h, o_in, lora_slots);
       // MLP
       const at::Tensor normed = ops::add_rms_norm_(x, h, layer.post_norm, eps_);
-      mlp_out = layer.down(ops::silu_mul(layer.gate_up(normed)));
+      at::Tensor gate_up = layer.gate_up(normed);
+      layer.lora[2].add_(gate_up, normed, lora_slots);
+      const at::Tensor down_in = ops::silu_mul(gate_up);
+      mlp_out = layer.down(down_in);
+      layer.lora[3].add_(mlp_out, down_in, lora_slots);
     }
     if (mlp_out.defined()) x.add_(mlp_out);
   }
@@ -134,6 +164,7 @@ TORCH_LIBRARY_FRAGMENT(kvyard, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_lora", &DecodeStack::set_lora)
       .def("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward);
 }
