@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from kvyard.cli.main import main
 
 
+@pytest.mark.slow  # 31 s: every offload scenario end to end; tests/offload covers each tier
 def test_every_scenario_reports_its_comparison(tiny_checkpoint, tmp_path):
     out = tmp_path / "offload.json"
     plot = tmp_path / "ttft.png"

@@ -285,7 +285,7 @@ def test_gguf_fp32_on_the_portable_kernel(checkpoint, arch, tied):
     check(llm, hf_reference_gguf(gguf), per_token_kl=1e-10)
 
 
-@pytest.mark.parametrize("quantization", [None, "gguf"])
+@pytest.mark.parametrize("quantization", [pytest.param(None, marks=pytest.mark.slow), "gguf"])  # None: 27 s
 def test_smollm2_bf16_is_as_close_to_hf_fp32_as_hf_bf16_is(smollm2_path, quantization):
     """The real default model (Q4_1, a Q8_0 embedding that is also its head), dense bf16 and `--quantization
     gguf`, against HF fp32 on the same file. 30 layers of bf16 rounding in a trained model are noisy, so the

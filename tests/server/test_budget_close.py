@@ -49,6 +49,7 @@ def _json_answer(client: openai.OpenAI, name: str, budget: int, seed: int) -> tu
     return name, r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
 
 
+@pytest.mark.slow  # 61 s: every schema at its fewest tokens; test_required_tool_calls_are_never_cut stays in CI
 def test_every_budget_forced_answer_parses_and_validates(smol_client, fewest):
     jobs = [(name, fewest(schema) + i % 18, 100 * k + i)
             for k, (name, schema) in enumerate(SCHEMAS.items()) for i in range(PER_SCHEMA)]

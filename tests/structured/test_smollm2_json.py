@@ -147,6 +147,7 @@ def _params(name: str, i: int) -> SamplingParams:
     )
 
 
+@pytest.mark.slow  # 35 s: the whole schema suite; the speculation variant below stays in CI
 def test_every_constrained_generation_validates(llm):
     prompts, params, names = [], [], []
     for name in SCHEMAS:
