@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import base64
 import random
-import re
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ import httpx
 
 from kvyard.bench.compare_serve import ManagedServer, wait_port_free
 from kvyard.bench.output import emit_json
+from kvyard.bench.route import delta, scrape
 from kvyard.vision.easy_vqa import Question, read_split
 from kvyard.vision.graft import PLACEHOLDER, answers
 
@@ -62,16 +62,13 @@ async def _ask_all(url: str, questions: list[Question], with_image: bool, concur
     return {"accuracy": accuracy, "seconds": round(seconds, 2), "requests_per_s": round(len(questions) / seconds, 2)}
 
 
-def _counters(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
-    names = ("kvyard_vision_encoder_runs_total", "kvyard_vision_cache_hits_total",
-             "kvyard_prefix_cache_queries_total", "kvyard_prefix_cache_hits_total")
-    return {n.removeprefix("kvyard_").removesuffix("_total"): float(m.group(1))
-            for n in names if (m := re.search(rf"^{n} ([0-9.e+]+)$", text, re.M))}
+# The /metrics counters each pass reports (their increase over it)
+COUNTERS = ("kvyard_vision_encoder_runs_total", "kvyard_vision_cache_hits_total", "kvyard_prefix_cache_queries_total",
+            "kvyard_prefix_cache_hits_total")
 
 
-def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before.get(k, 0.0) for k in after}
+def _counted(after: dict, before: dict) -> dict[str, float]:
+    return {n.removeprefix("kvyard_").removesuffix("_total"): delta(after, before, n) for n in COUNTERS}
 
 
 def run_graft_bench(args: argparse.Namespace) -> int:
@@ -85,9 +82,9 @@ def run_graft_bench(args: argparse.Namespace) -> int:
             server.wait_ready(args.startup_timeout)
             passes = {}
             for name, with_image in (("text_only", False), ("graft", True), ("graft_warm", True)):
-                before = _counters(server.url)
+                before = scrape(server.url)
                 passes[name] = asyncio.run(_ask_all(server.url, questions, with_image, args.concurrency))
-                passes[name]["counters"] = _delta(_counters(server.url), before)
+                passes[name]["counters"] = _counted(scrape(server.url), before)
         finally:
             server.stop()
     result = {"graft": str(args.graft), "questions": args.questions, "seed": args.seed, "dtype": args.dtype,

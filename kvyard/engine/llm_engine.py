@@ -247,14 +247,11 @@ class LLMEngine:
     def unload_lora(self, name: str) -> None:
         if self.lora is None:
             raise InvalidRequestError(f"unknown LoRA adapter {name!r}: this engine serves none", param="lora_name")
-        self._refuse_while_in_use(name, "unloaded")
-        self.lora.unload(name)
-
-    def _refuse_while_in_use(self, name: str, what: str) -> None:
         running = self._lora_requests(name)
         if running:
-            raise AdapterBusyError(f"LoRA adapter {name!r} cannot be {what} while {running} request(s) run with it",
-                                   param="lora_name")
+            raise AdapterBusyError(f"LoRA adapter {name!r} cannot be unloaded while {running} request(s) run with "
+                                   f"it", param="lora_name")
+        self.lora.unload(name)
 
     def _bind_adapter(self, req: Request, name: str) -> None:
         """Run `req` with the adapter `name`, loaded for the next step (read again if the memory budget had
@@ -399,10 +396,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids, hold_kv=hold_kv)
         if soft_tokens:
-            try:
-                check_spans(soft_tokens, len(ids), self.model_config.hidden_size)
-            except ValueError as e:
-                raise InvalidRequestError(str(e), param="messages") from None
+            check_spans(soft_tokens, len(ids), self.model_config.hidden_size)
             req.soft_tokens = sorted(soft_tokens, key=lambda s: s.start)
         if lora is not None:
             self._bind_adapter(req, lora)

@@ -132,7 +132,7 @@ class ModelRunner:
         # chunk's first query sees. The mask is relative to the context's end, so it starts there too.
         first = 0 if view.window is None else max(0, start - view.window + 1)
         ctx = start + n
-        sinks = min(self.groups.sinks, first) if view.window is not None else 0
+        sinks = min(self.groups.sinks, first)  # the sink positions behind `first` (none without a window)
         if sinks:
             # The window's keys after the sink positions the sliding layers also see (their blocks are kept)
             keys = torch.cat([torch.arange(sinks), torch.arange(first, ctx)]).to(self.device)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvyard.errors import InvalidRequestError
+
 
 @dataclass(frozen=True, eq=False)
 class SoftTokens:
@@ -32,14 +34,15 @@ def block_salt(spans: Sequence[SoftTokens], salt: bytes, block_size: int, index:
 
 
 def check_spans(spans: Sequence[SoftTokens], num_prompt_tokens: int, hidden: int) -> None:
-    """Raise ValueError unless the spans lie inside the prompt, apart, with rows of the model's width."""
+    """Raise InvalidRequestError unless the spans lie inside the prompt, apart, with rows of the model's width."""
     last = 0
     for span in sorted(spans, key=lambda s: s.start):
         if span.embeds.dim() != 2 or span.embeds.shape[1] != hidden:
-            raise ValueError(f"soft tokens must be [count, {hidden}], got {tuple(span.embeds.shape)}")
+            raise InvalidRequestError(f"soft tokens must be [count, {hidden}], got {tuple(span.embeds.shape)}",
+                                      param="messages")
         if span.start < last or span.end > num_prompt_tokens:
-            raise ValueError(f"soft tokens at {span.start}..{span.end} overlap another span or leave the prompt "
-                             f"of {num_prompt_tokens} tokens")
+            raise InvalidRequestError(f"soft tokens at {span.start}..{span.end} overlap another span or leave the "
+                                      f"prompt of {num_prompt_tokens} tokens", param="messages")
         last = span.end
 
 

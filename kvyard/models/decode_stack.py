@@ -4,8 +4,9 @@ A batch-1 step on CPU runs ~10 small kernels per layer; calling them one by one 
 as the kernels themselves outside the matmuls (~2.5 ms of an ~11 ms SmolLM2 step on a 2-core AMD EPYC). The
 C++ stack makes the same calls in the same order, so its outputs are bit-identical to `DecoderModel.run_layer`.
 
-It takes steps of decodes only (with or without LoRA adapters on their rows), up to FUSED_MAX_ROWS rows, on CPU in fp32 or bf16, and only where each weight
-is one of the forms below; anything else (prefill chunks, oneDNN-packed weights, GPUs) runs layer by layer.
+It takes steps of decodes only (their rows with or without LoRA adapters), up to FUSED_MAX_ROWS rows, on CPU in
+fp32 or bf16, and only where each weight is one of the forms below; anything else (prefill chunks,
+oneDNN-packed weights, GPUs) runs layer by layer.
 """
 
 from __future__ import annotations

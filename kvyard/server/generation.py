@@ -123,7 +123,7 @@ class EngineRun:
                  soft_tokens: list[SoftTokens] | None = None):
         self.ctx = ctx
         self.lora = lora  # the LoRA adapter every choice runs with (the request's model), None: the base model
-        self.soft_tokens = soft_tokens  # a grafted image's embeddings in the prompt (kvyard/vision/serve.py)
+        self.soft_tokens = soft_tokens  # a grafted image's embeddings in the prompt (kvyard/vision/runtime.py)
         self.request_id = request_id
         self.guard = guard or RepetitionGuard()
         self.streaming = streaming
