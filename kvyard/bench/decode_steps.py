@@ -44,3 +44,25 @@ def interleaved_decode_steps(llms: dict[str, LLM], prompts: list, params: Sampli
                 llm.engine.abort_request(i)
         llm.engine.step()
     return times
+
+
+def decode_token_rate(llm: LLM, prompts: list, params: SamplingParams, steps: int) -> float:
+    """Tokens a second that the batch's requests gain over up to `steps` engine steps once every one of them is
+    decoding. Counted, not taken as batch / step time: with pipeline stages overlapping, a step carries one
+    micro-batch, not the whole batch."""
+    eng = llm.engine
+    ids = [eng.add_request(p, params) for p in prompts]
+    reqs = [eng._tracked[i].req for i in ids]
+    while any(r.num_output_tokens == 0 for r in reqs):
+        eng.step()
+    before, start = sum(r.num_output_tokens for r in reqs), time.perf_counter()
+    for _ in range(steps):
+        if any(r.finished for r in reqs):
+            break
+        eng.step()
+    rate = (sum(r.num_output_tokens for r in reqs) - before) / (time.perf_counter() - start)
+    for i in ids:
+        if i in eng._tracked:
+            eng.abort_request(i)
+    eng.step()
+    return rate

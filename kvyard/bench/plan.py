@@ -64,7 +64,7 @@ def prefill_rate(llm: LLM, prompts: int, length: int, repeats: int = 3) -> float
 
 
 @functools.cache  # timed once a model: the calibration's fit and the prediction see the same timings
-def _timings(name: str, batch: int, prefill_len: int) -> tuple[dict[int, float], dict[int, float]]:
+def timings(name: str, batch: int, prefill_len: int) -> tuple[dict[int, float], dict[int, float]]:
     """The model's decode matmuls at batch 1 and `batch`, and its prefill step of PREFILL_PROMPTS prompts."""
     cfg = from_source(name).config
     return (model_matmul_timings(cfg, (1, batch)),
@@ -72,16 +72,18 @@ def _timings(name: str, batch: int, prefill_len: int) -> tuple[dict[int, float],
 
 
 def predicted(name: str, dev: Device, copies: int, args: argparse.Namespace,
-              layer_cost: LayerCost | None = None) -> dict[str, float]:
+              layer_cost: LayerCost | None = None, matmuls: dict[int, float] | None = None) -> dict[str, float]:
+    """`matmuls`: the decode steps' matmuls timed otherwise than at this process's threads."""
     model = from_source(name)
     cfg = model.config
     # the prefill is one step: the offline token budget holds every prompt
-    timings, prefill_s = _timings(name, args.batch, args.prefill_len) if timeable(cfg) else (None, None)
+    timed, prefill_s = timings(name, args.batch, args.prefill_len) if timeable(cfg) else (None, None)
+    matmuls = matmuls or timed
     out: dict[str, float] = {}
     for batch in (1, args.batch):
         mem = breakdown(cfg, WEIGHT_FORMATS["bfloat16"], args.input_len, batch, size=model.size, packed_copies=copies)
         lo = layout(cfg, mem, dev, 1, 1, 0.9)
-        rates = predict(cfg, model.active_params, mem, dev, lo, batch, args.input_len, matmul_s=timings,
+        rates = predict(cfg, model.active_params, mem, dev, lo, batch, args.input_len, matmul_s=matmuls,
                         layer_cost=layer_cost, prefill_s=prefill_s)
         out[f"decode_tok_s_batch_{batch}"] = rates.decode_tok_s
     out["prefill_tok_s"] = rates.prefill_tok_s
@@ -98,9 +100,9 @@ def measured(llm: LLM, args: argparse.Namespace) -> dict[str, float]:
 
 
 def calibrated_layer_cost(name: str, dev: Device, copies: int, seen: dict[str, float],
-                          args: argparse.Namespace) -> LayerCost:
+                          args: argparse.Namespace, matmuls: dict[int, float] | None = None) -> LayerCost:
     """Each layer's cost outside its matmuls, fitted on `name`'s measured decode steps at batch 1 and --batch."""
-    raw = predicted(name, dev, copies, args)
+    raw = predicted(name, dev, copies, args, matmuls=matmuls)
     steps = {b: (b / raw[f"decode_tok_s_batch_{b}"], b / seen[f"decode_tok_s_batch_{b}"]) for b in (1, args.batch)}
     return fit_layer_cost(from_source(name).config, {b: p for b, (p, _) in steps.items()},
                           {b: m for b, (_, m) in steps.items()})
@@ -156,9 +158,15 @@ def run_plan_bench(args: argparse.Namespace) -> int:
             rows.append({"model": name, "figure": figure, "predicted": value, "measured": seen[figure],
                          "error": error, "drift": abs(error) > args.tolerance,
                          "fitted_on": name == args.calibrate_on and figure.startswith("decode")})
+    syncs = None
+    if args.layouts:  # after the single processes: rank 0 binds this process to its share of the cores
+        from kvyard.bench.plan_layouts import layout_rows
+
+        layout_figures, syncs = layout_rows(dev, args)
+        rows += layout_figures
     stamp = {"time": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine_info(),
              "bandwidth": dev.bandwidth, "bf16_flops": dev.flops["bfloat16"], "tolerance": args.tolerance,
-             "calibrate_on": args.calibrate_on, "layer_cost": asdict(cost) if cost else None}
+             "calibrate_on": args.calibrate_on, "layer_cost": asdict(cost) if cost else None, "syncs": syncs}
     record = Path(args.record)
     record.parent.mkdir(parents=True, exist_ok=True)
     with record.open("a") as f:
@@ -187,6 +195,13 @@ def add_plan_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calibrate-on", default="smollm2-135m",
                    help="fit each layer's cost outside the matmuls on this model's decode steps ('' for none); "
                         "its own decode figures are then in sample")
+    p.add_argument("--layouts", default="",
+                   help="parallel layouts on this machine's cores too, comma-separated MODEL:tpN, MODEL:ppN or "
+                        "MODEL:tpNppM (e.g. qwen2.5-coder-0.5b:tp2,smollm2-135m:pp2)")
+    p.add_argument("--calibrate-layout-on", default="",
+                   help="fit the per-stage-step sync of tensor ranks on a MODEL:tpN layout's decode steps, and of "
+                        "pipeline stages on a MODEL:ppN one (comma-separated); their own decode figures are then in "
+                        "sample")
     p.add_argument("--record", default="bench-results/plan/record.jsonl")
     p.add_argument("--plot", help="where the PNG of the errors goes (default: errors.png beside the record)")
     p.set_defaults(func=run_plan_bench)

@@ -1,7 +1,7 @@
 """Which tensor × pipeline parallel layouts hold a model on a device, and the KV headroom each leaves (#38).
 
-A layout of tp × pp devices splits the weights evenly (kvyard splits every matrix, the vocabulary rows
-included, across tensor ranks and the layers across stages). The KV splits by KV head across tensor ranks
+A layout of tp × pp devices splits the weights (kvyard splits every matrix, the vocabulary rows included,
+across tensor ranks, and the layers across stages; the first stage holds the embedding, the last the head). The KV splits by KV head across tensor ranks
 (replicated when there are fewer KV heads than ranks, and always for a latent cache, which every rank reads
 whole) and by layer across stages. Each device keeps `utilization` of its memory for kvyard, and every rank
 pays one step's activations.
@@ -19,9 +19,10 @@ from kvyard.plan.memory import MemoryBreakdown
 class Layout:
     tp: int
     pp: int
-    weights_per_device: float
+    weights_per_device: float  # on the device that holds the most
     kv_per_token_per_device: float
     headroom_per_device: float  # bytes left for KV after weights and activations
+    stage_weights: tuple[float, ...] = ()  # a device of each pipeline stage, first to last
 
     @property
     def devices(self) -> int:
@@ -46,12 +47,24 @@ def tensor_sizes(cfg: ModelConfig, most: int) -> list[int]:
     return [tp for tp in range(1, most + 1) if ok(tp)]
 
 
+def stage_weights(cfg: ModelConfig, memory: MemoryBreakdown, tp: int, pp: int) -> tuple[float, ...]:
+    """A device's weights in each of pp stages: its share of the layers, the embedding on the first stage and the
+    head on the last (a tied head the embedding again, once they are on different stages); split across the
+    tensor ranks but for the norms, which each holds whole."""
+    split = (memory.weights - memory.embedding - memory.head - memory.norms) / pp / tp
+    layers = split + (memory.norms - memory.final_norm) / pp
+    if pp == 1:
+        return (layers + memory.final_norm + (memory.embedding + memory.head) / tp,)
+    last = layers + memory.final_norm + (memory.head + (memory.embedding if cfg.tie_word_embeddings else 0.0)) / tp
+    return (layers + memory.embedding / tp, *[layers] * (pp - 2), last)
+
+
 def layout(cfg: ModelConfig, memory: MemoryBreakdown, dev: Device, tp: int, pp: int, utilization: float) -> Layout:
     kv_split = 1 if cfg.is_mla else min(tp, cfg.num_kv_heads)
     kv_per_device = memory.kv_per_token / kv_split / pp
     usable = dev.memory_bytes * utilization
-    weights = memory.weights / (tp * pp)
-    return Layout(tp, pp, weights, kv_per_device, usable - weights - memory.activations)
+    stages = stage_weights(cfg, memory, tp, pp)
+    return Layout(tp, pp, max(stages), kv_per_device, usable - max(stages) - memory.activations, stages)
 
 
 def layouts(cfg: ModelConfig, memory: MemoryBreakdown, dev: Device, max_devices: int,

@@ -85,30 +85,38 @@ def _calls_seconds(calls: list[tuple[torch.Tensor, Any]]) -> float:
     return _best_seconds(run, repeats=3)
 
 
-def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
-    """(out, in, fused gate|up) of one dense decoder layer's matmuls as the engine runs them."""
-    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return [(q + 2 * kv, h, False), (h, q, False), (2 * cfg.intermediate_size, h, True),
-            (h, cfg.intermediate_size, False)]
+def layer_shapes(cfg: ModelConfig, tp: int = 1) -> list[tuple[int, int, bool]]:
+    """(out, in, fused gate|up) of one dense decoder layer's matmuls as the engine runs them on one of `tp`
+    tensor-parallel ranks (kvyard/parallel/tensor.py: heads and the intermediate size split, a KV head shared by
+    ranks when there are fewer than them)."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads // tp * cfg.head_dim, max(1, cfg.num_kv_heads // tp) * cfg.head_dim
+    inter = cfg.intermediate_size // tp
+    return [(q + 2 * kv, h, False), (h, q, False), (2 * inter, h, True), (h, inter, False)]
 
 
-def model_matmul_timings(cfg: ModelConfig, rows: tuple[int, ...], total_bytes: int = BUFFER_BYTES // 2
+def model_matmul_timings(cfg: ModelConfig, rows: tuple[int, ...], total_bytes: int = BUFFER_BYTES // 2, tp: int = 1
                          ) -> dict[int, float]:
     """rows -> seconds of one decode step's matmuls at that many rows: every layer's (timed over enough packed
-    copies of a layer to overrun the caches, at most the model's own layers) and the head's."""
-    shapes = layer_shapes(cfg)
+    copies of a layer to overrun the caches, at most the model's own layers) and the head's; on one of `tp`
+    tensor-parallel ranks, its share of each (the head's vocabulary rows included)."""
+    shapes = layer_shapes(cfg, tp)
     layer_bytes = sum(o * i * 2 for o, i, _ in shapes)
     copies = max(1, min(cfg.num_layers, total_bytes // layer_bytes))
     layers = [[pack_weight(torch.randn(o, i).to(torch.bfloat16), max_rows=STEP_ROWS, gate_up=g) for o, i, g in shapes]
               for _ in range(copies)]
-    head = pack_weight(torch.randn(cfg.vocab_size, cfg.hidden_size).to(torch.bfloat16), max_rows=STEP_ROWS)
+    heads = head_timings(cfg, rows, tp)
     out = {}
     for r in rows:
         xs = {i: torch.randn(r, i).to(torch.bfloat16) for _, i, _ in shapes}
         layer_calls = [(xs[i], w) for layer in layers for w, (_, i, _) in zip(layer, shapes, strict=True)]
-        head_call = [(torch.randn(r, cfg.hidden_size).to(torch.bfloat16), head)]
-        out[r] = _calls_seconds(layer_calls) / copies * cfg.num_layers + _calls_seconds(head_call)
+        out[r] = _calls_seconds(layer_calls) / copies * cfg.num_layers + heads[r]
     return out
+
+
+def head_timings(cfg: ModelConfig, rows: tuple[int, ...], tp: int = 1) -> dict[int, float]:
+    """rows -> seconds of the LM head's matmul (a tensor rank's share of the vocabulary) at that many rows."""
+    head = pack_weight(torch.randn(-(-cfg.vocab_size // tp), cfg.hidden_size).to(torch.bfloat16), max_rows=STEP_ROWS)
+    return {r: _calls_seconds([(torch.randn(r, cfg.hidden_size).to(torch.bfloat16), head)]) for r in rows}
 
 
 def timeable(cfg: ModelConfig) -> bool:

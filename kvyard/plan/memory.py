@@ -68,7 +68,7 @@ def model_size(cfg: ModelConfig) -> ModelSize:
     h = cfg.hidden_size
     other = cfg.vocab_size * h if not cfg.tie_word_embeddings else 0  # the head is counted as a linear unit
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = (4 if cfg.model_type.startswith("gemma3") else 2) * h  # the norms around attention and the MLP
+    per_layer = layer_norm_params(cfg)
     if cfg.qk_norm:  # held per head, for every head (the engine expands a per-head-dim weight)
         per_layer += q + kv
     if cfg.attention_bias:
@@ -80,6 +80,11 @@ def model_size(cfg: ModelConfig) -> ModelSize:
             shared = cfg.shared_expert_intermediate_size
             other += 3 * h * shared + (h if shared and cfg.shared_expert_gated else 0)
     return ModelSize(linear, other)
+
+
+def layer_norm_params(cfg: ModelConfig) -> int:
+    """A layer's norms around attention and the MLP (Gemma 3 has four)."""
+    return (4 if cfg.model_type.startswith("gemma3") else 2) * cfg.hidden_size
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, compute_dtype: torch.dtype) -> int:
@@ -102,6 +107,13 @@ class MemoryBreakdown:
     kv_per_token: int
     kv_total: float  # at the target context and concurrency
     activations: float  # one step's hidden states and logits at max_num_batched_tokens, and workspace
+    # Of `weights`, the norms, which every tensor rank holds whole: the layers' and the final one (on the last stage)
+    norms: float = 0.0
+    final_norm: float = 0.0
+    # Of `weights`, what only a pipeline's first stage holds (the input embedding) and what only its last
+    # holds beyond that (the packed copies of the head, and the head itself where it is not the embedding)
+    embedding: float = 0.0
+    head: float = 0.0
 
     @property
     def total(self) -> float:
@@ -119,9 +131,14 @@ def breakdown(cfg: ModelConfig, weights: WeightFormat, context: int, concurrency
     size = size or model_size(cfg)
     dense = WEIGHT_FORMATS[compute_dtype]
     weight_bytes = step_bytes = weights.bytes(size.linear_params) + dense.bytes(size.other_params)
+    # a tied head is the embedding, a linear unit in the weights' format (model_size)
+    embedding = (weights if cfg.tie_word_embeddings else dense).bytes(cfg.vocab_size * cfg.hidden_size)
+    head = 0.0 if cfg.tie_word_embeddings else weights.bytes(cfg.vocab_size * cfg.hidden_size)
     if packed_copies and weights.name == compute_dtype:
-        head = dense.bytes(cfg.vocab_size * cfg.hidden_size)
-        weight_bytes += (packed_copies - 1) * (weights.bytes(size.linear_params) - head) + packed_copies * head
+        packed_head = dense.bytes(cfg.vocab_size * cfg.hidden_size)
+        weight_bytes += (packed_copies - 1) * (weights.bytes(size.linear_params) - packed_head) + \
+            packed_copies * packed_head
+        head += packed_copies * packed_head
     # A step's activations: a few hidden-sized rows and the MLP's widest intermediate per batched token, and
     # float32 logits for the rows that sample (at most one per sequence).
     inter = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(cfg.num_experts_per_tok, 1))
@@ -129,4 +146,6 @@ def breakdown(cfg: ModelConfig, weights: WeightFormat, context: int, concurrency
     activations += concurrency * cfg.vocab_size * 4
     return MemoryBreakdown(weight_bytes, step_bytes, weights.scale_bytes_of(size.linear_params),
                            kv_bytes_per_token(cfg, kv_dtype, dtype),
-                           concurrency * kv_bytes(cfg, context, kv_dtype, dtype), activations)
+                           concurrency * kv_bytes(cfg, context, kv_dtype, dtype), activations,
+                           dense.bytes(cfg.num_layers * layer_norm_params(cfg) + cfg.hidden_size),
+                           dense.bytes(cfg.hidden_size), embedding, head)

@@ -22,9 +22,18 @@ def test_the_seeds_example(capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["memory"]["weights"] == 2.8e12 * 0.5 + 2.8e12 / 16 and r["memory"]["kv_per_token"] == 61 * 576 * 2
     eight = {(lo["tp"], lo["pp"]): lo for lo in r["layouts"] if lo["devices"] == 8}
-    assert (8, 1) in eight and eight[(8, 1)]["weights_per_device"] == r["memory"]["weights"] / 8
-    # tp 8 replicates the latent cache on every rank; pp 8 splits it by layer: 8 times the tokens
-    assert eight[(1, 8)]["kv_tokens"] == pytest.approx(8 * eight[(8, 1)]["kv_tokens"], rel=1e-6)
+    norms = r["memory"]["norms"]  # every tensor rank holds them whole
+    assert (8, 1) in eight and eight[(8, 1)]["weights_per_device"] == pytest.approx(
+        (r["memory"]["weights"] - norms) / 8 + norms, rel=1e-12)
+    # pp 8: the end stages hold the embedding and the head beside their layers, and a device needs room for the
+    # largest stage; the stages hold every weight once (the head is not tied)
+    pp8 = eight[(1, 8)]
+    middle = r["memory"]["weights"] - r["memory"]["embedding"] - r["memory"]["head"] - r["memory"]["final_norm"]
+    assert pp8["stage_weights"][1] == pytest.approx(middle / 8, rel=1e-12)
+    assert pp8["weights_per_device"] == max(pp8["stage_weights"]) > r["memory"]["weights"] / 8
+    assert sum(pp8["stage_weights"]) == pytest.approx(r["memory"]["weights"], rel=1e-9)
+    # tp 8 replicates the latent cache on every rank; pp 8 splits it by layer: about 8 times the tokens
+    assert 7 * eight[(8, 1)]["kv_tokens"] < pp8["kv_tokens"] < 8 * eight[(8, 1)]["kv_tokens"]
     assert r["devices_by_memory"] == 7 and r["best"]["flags"].startswith("kvyard serve --model MODEL")
 
 
@@ -59,3 +68,15 @@ def test_bad_plans_are_named(argv, message):
     args = build_parser().parse_args(["plan", *argv])
     with pytest.raises(ConfigError, match=message):
         args.func(args)
+
+
+def test_bench_plan_layouts_name_a_model_and_its_ranks():
+    from kvyard.bench.plan_layouts import LayoutSpec, parse_layout, sync_kind
+
+    assert parse_layout("qwen2.5-coder-0.5b:tp2") == LayoutSpec("qwen2.5-coder-0.5b", 2, 1)
+    assert parse_layout("/models/x:y:tp2pp2").ranks == 4 and parse_layout("m:pp2").label == "m tp1 pp2"
+    with pytest.raises(ConfigError, match="MODEL:tpN"):
+        parse_layout("smollm2-135m")
+    assert sync_kind(parse_layout("m:tp2")) == "tensor_sync_s" and sync_kind(parse_layout("m:pp2")) == "stage_sync_s"
+    with pytest.raises(ConfigError, match="tensor-parallel or a pipeline"):
+        sync_kind(parse_layout("m:tp2pp2"))

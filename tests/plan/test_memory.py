@@ -7,6 +7,8 @@ from kvyard.bench.plan import held_weight_bytes
 from kvyard.config import EngineConfig
 from kvyard.errors import ConfigError
 from kvyard.llm import LLM
+from kvyard.plan.hardware import this_machine
+from kvyard.plan.layouts import layout
 from kvyard.plan.memory import WEIGHT_FORMATS, breakdown, kv_bytes, weight_format
 
 LAYOUTS = {"llama": {}, "llama-tied": {"tie_word_embeddings": True}, "qwen2": {}, "qwen3": {}, "gemma3_text": {},
@@ -44,3 +46,15 @@ def test_a_sliding_layer_holds_at_most_its_window(tiny_checkpoint):
     window = min(w for w in cfg.layer_windows if w)
     long = kv_bytes(cfg, 10 * window, "auto", torch.float32)
     assert long < 10 * kv_bytes(cfg, window, "auto", torch.float32)
+
+
+@pytest.mark.parametrize(("name", "tp", "pp"), [("llama", 2, 1), ("llama-tied", 1, 2), ("llama", 2, 2)])
+def test_a_parallel_layouts_first_rank_holds_what_the_planner_says(tiny_checkpoint, name, tp, pp):
+    """tp splits every matrix (the vocabulary's rows too) but the norms; pp puts the embedding on the first
+    stage and the head, a tied one too, on the last."""
+    path = tiny_checkpoint(name.removesuffix("-tied"), **LAYOUTS[name])
+    with LLM(str(path), dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
+        cfg = llm.engine.model_config
+        planned = breakdown(cfg, WEIGHT_FORMATS["float32"], context=64, concurrency=1, compute_dtype="float32")
+        stages = layout(cfg, planned, this_machine(), tp, pp, 0.9).stage_weights
+        assert len(stages) == pp and stages[0] == held_weight_bytes(llm)

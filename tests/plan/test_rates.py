@@ -1,6 +1,7 @@
 """The rate model's shape: rooflines, tensor-parallel communication, pipeline stages, queueing."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -8,7 +9,14 @@ from kvyard.plan.hardware import device
 from kvyard.plan.layouts import layout
 from kvyard.plan.memory import WEIGHT_FORMATS, breakdown
 from kvyard.plan.model_spec import described
-from kvyard.plan.rates import fit_layer_cost, predict, queueing_wait_s
+from kvyard.plan.rates import (
+    SharedCores,
+    fit_layer_cost,
+    fit_sync,
+    predict,
+    queueing_wait_s,
+    shared_prefill_s,
+)
 
 MODEL = described("params=8e9,layers=32,hidden=4096,heads=32,kv_heads=8,head_dim=128,vocab=128256")
 H100 = device("h100")
@@ -79,3 +87,51 @@ def test_a_layer_cost_fitted_on_one_model_closes_its_gap_and_scales_with_rows_an
     with_cost = predict(cfg, MODEL.active_params, mem, H100, lo, 8, 1024, layer_cost=cost)
     assert with_cost.decode_step_s - plain.decode_step_s == pytest.approx(cfg.num_layers * cost.at(8, cfg.hidden_size))
     assert fit_layer_cost(cfg, measured, predicted).fixed_s == 0.0  # a model faster than predicted adds nothing
+
+
+def _shared_rates(tp: int, pp: int, batch: int, shared: SharedCores, context: int = 128):
+    dev = replace(device("h100"), name="this", link=0.0)  # one machine's memory; its ranks share its cores
+    mem = breakdown(MODEL.config, WEIGHT_FORMATS["bfloat16"], context, batch, size=MODEL.size)
+    lo = layout(MODEL.config, mem, dev, tp, pp, 0.9)
+    r = predict(MODEL.config, MODEL.active_params, mem, dev, lo, batch, context, prefill_s={2048: 1.0}, shared=shared)
+    cfg, micro = MODEL.config, max(batch / pp, 1)
+    kv_s = micro * context * lo.kv_per_token_per_device * tp * pp / dev.bandwidth
+    attention_s = micro * 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context / pp / dev.flops["bfloat16"]
+    return r, kv_s + attention_s
+
+
+SHARED = SharedCores(matmul_s={1: 0.040, 16: 0.044, 32: 0.048}, all_reduce_s={1: 20e-6, 32: 50e-6, 2048: 1e-3},
+                     gather_s={1: 1e-4, 32: 4e-3}, hidden_pipe_s={1: 3e-4, 16: 4e-4, 2048: 5e-3},
+                     logits_pipe_s={1: 5e-4, 16: 3e-3}, matmul_alone_s={1: 0.036, 16: 0.040}, head_s={1: 4e-3, 16: 3e-3},
+                     tensor_sync_s=3e-3, stage_sync_s=1e-3)
+
+
+def test_tensor_ranks_on_shared_cores_divide_no_time_and_pay_collectives_and_a_sync():
+    """Each rank computes with its share of the cores: the step is one rank's measured matmuls, the step's
+    2 L + 1 all-reduces and the logits' gather, and the fitted sync."""
+    cfg = MODEL.config
+    r, rest = _shared_rates(2, 1, 32, SHARED)
+    collectives = (2 * cfg.num_layers + 1) * 50e-6 + 4e-3
+    assert r.decode_step_s == pytest.approx(0.048 + rest + collectives + 3e-3)
+    # prefill: the whole machine's step, plus its collectives at the step's rows and one sync
+    assert r.prefill_tok_s == pytest.approx(2048 / (1.0 + (2 * cfg.num_layers + 1) * 1e-3 + 1e-4 + 3e-3))
+
+
+def test_pipeline_stages_on_shared_cores_take_turns_or_wait_for_the_last_stage():
+    """A lone sequence goes through the stages one at a time, each at its share of the alone-timed matmuls;
+    with a micro-batch per stage, the last stage (it holds the head) sets the pace. Stages hand hidden states
+    down and logits back, and each stage step pays the stages' sync, not the tensor ranks'."""
+    one, rest = _shared_rates(1, 2, 1, SHARED)
+    assert one.decode_step_s == pytest.approx(2 * (0.036 / 2 + rest + (3e-4 + 5e-4) / 2 + 1e-3))
+    many, rest = _shared_rates(1, 2, 32, SHARED)
+    assert many.decode_step_s == pytest.approx(2 * ((0.044 - 3e-3) / 2 + 3e-3 + rest + (4e-4 + 3e-3) / 2 + 1e-3))
+    # prefill: two micro-batches through two stages take 3 half-steps, and every row's hidden states cross once
+    assert one.prefill_tok_s == pytest.approx(2048 / (1.5 + 5e-3 + 2 * 1e-3))
+    four = layout(MODEL.config, breakdown(MODEL.config, WEIGHT_FORMATS["bfloat16"], 128, 1, size=MODEL.size), H100,
+                  1, 4, 0.9)  # four micro-batches through four stages: 7 quarter-steps, 3 boundaries crossed
+    assert shared_prefill_s(MODEL.config, four, SHARED, 2048, 1.0) == pytest.approx(7 / 4 + 3 * 5e-3 + 4 * 1e-3)
+
+
+def test_the_sync_fitted_on_one_layout_closes_its_mean_gap():
+    assert fit_sync({1: 0.050, 32: 0.080}, {1: 0.046, 32: 0.074}, pp=1) == pytest.approx(0.005)
+    assert fit_sync({1: 0.040}, {1: 0.046}, pp=1) == 0.0  # faster than predicted adds nothing
