@@ -24,6 +24,7 @@ from kvyard.bench.quant import decode_rate
 from kvyard.config import EngineConfig
 from kvyard.llm import LLM
 from kvyard.models.linear import packed_copies
+from kvyard.plan.calibration import DEFAULT_RECORD
 from kvyard.plan.hardware import Device
 from kvyard.plan.layouts import layout
 from kvyard.plan.measure import measured_this_machine, model_matmul_timings, model_prefill_seconds, timeable
@@ -158,15 +159,16 @@ def run_plan_bench(args: argparse.Namespace) -> int:
             rows.append({"model": name, "figure": figure, "predicted": value, "measured": seen[figure],
                          "error": error, "drift": abs(error) > args.tolerance,
                          "fitted_on": name == args.calibrate_on and figure.startswith("decode")})
-    syncs = None
+    syncs, rank_costs = None, {}
     if args.layouts:  # after the single processes: rank 0 binds this process to its share of the cores
         from kvyard.bench.plan_layouts import layout_rows
 
-        layout_figures, syncs = layout_rows(dev, args)
+        layout_figures, syncs, rank_costs = layout_rows(dev, args)
         rows += layout_figures
     stamp = {"time": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine_info(),
              "bandwidth": dev.bandwidth, "bf16_flops": dev.flops["bfloat16"], "tolerance": args.tolerance,
-             "calibrate_on": args.calibrate_on, "layer_cost": asdict(cost) if cost else None, "syncs": syncs}
+             "calibrate_on": args.calibrate_on, "layer_cost": asdict(cost) if cost else None, "syncs": syncs,
+             "rank_layer_costs": {k: asdict(c) for k, c in rank_costs.items()}}
     record = Path(args.record)
     record.parent.mkdir(parents=True, exist_ok=True)
     with record.open("a") as f:
@@ -202,6 +204,7 @@ def add_plan_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="fit the per-stage-step sync of tensor ranks on a MODEL:tpN layout's decode steps, and of "
                         "pipeline stages on a MODEL:ppN one (comma-separated); their own decode figures are then in "
                         "sample")
-    p.add_argument("--record", default="bench-results/plan/record.jsonl")
+    p.add_argument("--record", default=DEFAULT_RECORD, help="the standing record; `kvyard plan --measure` applies "
+                                                             "its latest fit made on this CPU")
     p.add_argument("--plot", help="where the PNG of the errors goes (default: errors.png beside the record)")
     p.set_defaults(func=run_plan_bench)

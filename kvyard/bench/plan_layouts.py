@@ -32,16 +32,11 @@ from kvyard.config import EngineConfig
 from kvyard.errors import ConfigError
 from kvyard.llm import LLM
 from kvyard.models.linear import packed_copies
+from kvyard.plan.calibration import rank_key
 from kvyard.plan.hardware import Device
 from kvyard.plan.layouts import layout
-from kvyard.plan.measure import head_timings, model_matmul_timings
-from kvyard.plan.measure_ranks import (
-    collective_seconds,
-    pipe_seconds,
-    rank_matmul_timings,
-    rank_threads,
-    torch_threads,
-)
+from kvyard.plan.measure import model_matmul_timings
+from kvyard.plan.measure_ranks import rank_threads, shared_cores, torch_threads
 from kvyard.plan.memory import WEIGHT_FORMATS, breakdown
 from kvyard.plan.model_spec import from_source
 from kvyard.plan.rates import LayerCost, SharedCores, fit_sync, predict
@@ -95,19 +90,7 @@ def measured_layout(spec: LayoutSpec, args: argparse.Namespace) -> tuple[dict[st
 
 @functools.cache
 def _rank_costs(spec: LayoutSpec, batch: int, prefill_rows: int) -> SharedCores:
-    cfg = from_source(spec.model).config
-    rows = tuple(sorted({1, max(1, batch // spec.pp), batch}))
-    shared = SharedCores(rank_matmul_timings(cfg, rows, spec.tp, spec.ranks, busy=spec.ranks), {}, {})
-    if spec.tp > 1:
-        times = collective_seconds(spec.tp, (*rows, prefill_rows), rows, cfg.hidden_size, cfg.vocab_size)
-        shared = replace(shared, all_reduce_s=times.all_reduce_s, gather_s=times.gather_s)
-    if spec.pp > 1:
-        shared = replace(shared, hidden_pipe_s=pipe_seconds((*rows, prefill_rows), cfg.hidden_size, torch.bfloat16),
-                         logits_pipe_s=pipe_seconds(rows, cfg.vocab_size, torch.float32),
-                         matmul_alone_s=rank_matmul_timings(cfg, rows, spec.tp, spec.ranks, busy=spec.tp))
-        with torch_threads(rank_threads(spec.ranks)):
-            shared = replace(shared, head_s=head_timings(cfg, rows, spec.tp))
-    return shared
+    return shared_cores(from_source(spec.model).config, spec.tp, spec.pp, batch, prefill_rows)
 
 
 def describe(spec: LayoutSpec, shared: SharedCores, batch: int) -> str:
@@ -180,9 +163,10 @@ def sync_kind(spec: LayoutSpec) -> str:
     return "tensor_sync_s" if spec.tp > 1 else "stage_sync_s"
 
 
-def layout_rows(dev: Device, args: argparse.Namespace) -> tuple[list[dict], dict[str, float]]:
+def layout_rows(dev: Device, args: argparse.Namespace
+                ) -> tuple[list[dict], dict[str, float], dict[str, LayerCost]]:
     """Each --layouts layout predicted against measured, the calibration layouts' syncs fitted first; the rows
-    (as run_plan_bench keeps them) and the fitted syncs."""
+    (as run_plan_bench keeps them), the fitted syncs and the ranks' layer costs (by rank_key)."""
     specs = [parse_layout(s) for s in args.layouts.split(",")]
     calibrate = [parse_layout(s) for s in args.calibrate_layout_on.split(",")] if args.calibrate_layout_on else []
     kinds = {spec: sync_kind(spec) for spec in calibrate}
@@ -190,11 +174,11 @@ def layout_rows(dev: Device, args: argparse.Namespace) -> tuple[list[dict], dict
     for spec in [*calibrate, *(s for s in specs if s not in calibrate)]:
         # a tensor-parallel rank runs its layers one by one (kvyard/parallel/tensor.py: no C++ decode stack, which
         # would run them all at once with no all-reduce between them)
-        how = (rank_threads(spec.ranks), spec.tp == 1)
+        threads, stack = rank_threads(spec.ranks), spec.tp == 1
+        how = rank_key(threads, stack)
         if how not in costs:
-            costs[how] = rank_layer_cost(dev, *how, args)
-            print(f"layer cost at {how[0]} thread(s), {'with' if how[1] else 'without'} the decode stack, fitted on "
-                  f"{args.calibrate_on}: {costs[how].fixed_s * 1e6:.1f} us + "
+            costs[how] = rank_layer_cost(dev, threads, stack, args)
+            print(f"layer cost at {how}, fitted on {args.calibrate_on}: {costs[how].fixed_s * 1e6:.1f} us + "
                   f"{costs[how].per_row_hidden_s * 1e9:.2f} ns a row and hidden unit")
         layer_cost = costs[how]
         seen, copies = measured_layout(spec, args)
@@ -211,4 +195,4 @@ def layout_rows(dev: Device, args: argparse.Namespace) -> tuple[list[dict], dict
             rows.append({"model": spec.label, "figure": figure, "predicted": value, "measured": seen[figure],
                          "error": error, "drift": abs(error) > args.tolerance,
                          "fitted_on": spec in kinds and figure.startswith("decode")})
-    return rows, syncs
+    return rows, syncs, costs

@@ -7,12 +7,15 @@
 
 import argparse
 import json
-from dataclasses import asdict
+import sys
+from dataclasses import asdict, replace
 from typing import Any
 
 from kvyard.errors import ConfigError
 from kvyard.models.config import ModelConfig
 from kvyard.models.linear import packed_copies
+from kvyard.parallel.affinity import replica_cpus
+from kvyard.plan.calibration import DEFAULT_RECORD, Calibration, latest_calibration
 from kvyard.plan.hardware import CATALOGUE, Device, device
 from kvyard.plan.layouts import Layout, devices_by_memory, layouts
 from kvyard.plan.memory import DTYPES, WEIGHT_FORMATS, breakdown, weight_format
@@ -25,7 +28,9 @@ GB = 1e9
 def _measured(args: argparse.Namespace, cfg: ModelConfig, weights: str
               ) -> tuple[Device, dict[int, float] | None, dict[int, float] | None]:
     """This machine's rates measured now (about half a minute), and where the engine runs the model as dense bf16
-    layers, its matmuls timed at its decode shapes and its layers over a prefill step of the token budget."""
+    layers, its matmuls timed at its decode shapes and its layers over a prefill step of the token budget. A
+    layout of several ranks is then timed as its ranks would run here, sharing the cores
+    (kvyard.plan.measure_ranks.shared_cores; no sync fitted: `kvyard bench plan --layouts` measures that)."""
     from kvyard.plan.measure import (
         measured_this_machine,
         model_matmul_timings,
@@ -44,6 +49,18 @@ def _measured(args: argparse.Namespace, cfg: ModelConfig, weights: str
             {prompts * length: model_prefill_seconds(cfg, prompts, length)})
 
 
+def _calibration(args: argparse.Namespace) -> "Calibration | None":
+    """The latest fit `kvyard bench plan` recorded on this CPU; without one, predictions leave out what a step
+    costs outside its matmuls (and a layout's syncs), and say so."""
+    from kvyard.bench.output import machine_info
+
+    fitted = latest_calibration(args.calibration, machine_info().get("cpu"))
+    if fitted is None:
+        print(f"no calibration for this CPU in {args.calibration}: the predictions leave out each layer's cost "
+              "outside its matmuls (run kvyard bench plan --layouts ... to fit it)", file=sys.stderr)
+    return fitted
+
+
 def run_plan(args: argparse.Namespace) -> int:
     fmt, dev = weight_format(args.weights), device(args.hardware)
     model = planned_model(args.model, args.describe)
@@ -56,10 +73,20 @@ def run_plan(args: argparse.Namespace) -> int:
                     args.max_num_batched_tokens, model.size, copies)
     fits = [lo for lo in layouts(model.config, mem, dev, args.max_devices, args.memory_utilization) if lo.fits]
     need = [lo for lo in fits if lo.kv_tokens >= args.context * args.concurrency]
-    rates = {(lo.tp, lo.pp): {f"batch_{b}": asdict(predict(model.config, model.active_params, mem, dev, lo, b,
-                                                          args.context, args.weights_compute,
-                                                          matmul_s=timings, prefill_s=prefill_s))
-                              for b in (1, args.concurrency)} for lo in fits[:args.top]} if dev.bandwidth else {}
+    fitted = _calibration(args) if args.measure else None
+    rates = {}
+    for lo in fits[:args.top] if dev.bandwidth else []:
+        shared, cost = None, fitted.layer_cost_of(lo, len(replica_cpus()) // lo.devices) if fitted else None
+        if args.measure and lo.devices > 1:  # its ranks would share this machine's cores: time them doing so
+            if timings is None or lo.devices > len(replica_cpus()):
+                continue  # not timeable here, or more ranks than cores to bind them to
+            from kvyard.plan.measure_ranks import shared_cores
+
+            shared = shared_cores(model.config, lo.tp, lo.pp, args.concurrency, max(prefill_s or {1: 1}))
+            shared = replace(shared, **(fitted.syncs if fitted else {}))
+        rates[(lo.tp, lo.pp)] = {f"batch_{b}": asdict(predict(
+            model.config, model.active_params, mem, dev, lo, b, args.context, args.weights_compute, matmul_s=timings,
+            layer_cost=cost, prefill_s=prefill_s, shared=shared)) for b in (1, args.concurrency)}
     if rates:  # the layouts that hold the target KV, fastest at the target concurrency first
         def speed(lo: Layout) -> float:
             return rates[(lo.tp, lo.pp)][f"batch_{args.concurrency}"]["decode_tok_s"] if (lo.tp, lo.pp) in rates \
@@ -136,5 +163,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=8, help="how many fitting layouts to list")
     p.add_argument("--measure", action="store_true",
                    help="with --hardware this: measure this machine's rates and the model's matmuls, and predict rates")
+    p.add_argument("--calibration", default=DEFAULT_RECORD,
+                   help="with --measure: apply the latest fit `kvyard bench plan` recorded here on this CPU")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run_plan)

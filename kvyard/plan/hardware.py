@@ -23,6 +23,8 @@ class Device:
     # Measured only (kvyard.plan.measure): rows -> bytes of weights a second the engine's matmuls stream at
     # that many rows, computing as they go; empty: the rooflines stand in
     stream: dict[int, float] = field(default_factory=dict)
+    # One host whose cores and memory a layout's ranks share (this machine), not one device a rank
+    one_host: bool = False
 
 
 CATALOGUE = {d.name: d for d in (
@@ -42,7 +44,7 @@ def this_machine() -> Device:
             total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
     except (OSError, StopIteration):
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Device("this", float(total), 0.0, note=f"this machine, {os.cpu_count()} CPUs")
+    return Device("this", float(total), 0.0, note=f"this machine, {os.cpu_count()} CPUs", one_host=True)
 
 
 def device(name: str) -> Device:

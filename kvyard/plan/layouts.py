@@ -1,10 +1,11 @@
 """Which tensor × pipeline parallel layouts hold a model on a device, and the KV headroom each leaves (#38).
 
 A layout of tp × pp devices splits the weights (kvyard splits every matrix, the vocabulary rows included,
-across tensor ranks, and the layers across stages; the first stage holds the embedding, the last the head). The KV splits by KV head across tensor ranks
-(replicated when there are fewer KV heads than ranks, and always for a latent cache, which every rank reads
-whole) and by layer across stages. Each device keeps `utilization` of its memory for kvyard, and every rank
-pays one step's activations.
+across tensor ranks, and the layers across stages; the first stage holds the embedding, the last the head).
+The KV splits by KV head across tensor ranks (replicated when there are fewer KV heads than ranks, and always
+for a latent cache, which every rank reads whole) and by layer across stages. Each device keeps `utilization`
+of its memory for kvyard, and every rank pays one step's activations. On one host (this machine) the ranks
+share its memory as they share its cores.
 """
 
 import math
@@ -62,7 +63,7 @@ def stage_weights(cfg: ModelConfig, memory: MemoryBreakdown, tp: int, pp: int) -
 def layout(cfg: ModelConfig, memory: MemoryBreakdown, dev: Device, tp: int, pp: int, utilization: float) -> Layout:
     kv_split = 1 if cfg.is_mla else min(tp, cfg.num_kv_heads)
     kv_per_device = memory.kv_per_token / kv_split / pp
-    usable = dev.memory_bytes * utilization
+    usable = dev.memory_bytes * utilization / (tp * pp if dev.one_host else 1)  # one host: the ranks share it
     stages = stage_weights(cfg, memory, tp, pp)
     return Layout(tp, pp, max(stages), kv_per_device, usable - max(stages) - memory.activations, stages)
 

@@ -17,14 +17,15 @@ import pickle
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvyard.models.config import ModelConfig
 from kvyard.net import free_port
 from kvyard.parallel.affinity import bind_process, cpu_share, replica_cpus
-from kvyard.plan.measure import model_matmul_timings
+from kvyard.plan.measure import head_timings, model_matmul_timings
+from kvyard.plan.rates import SharedCores
 
 COLLECTIVE_REPEATS = 50  # collectives timed a size (the best of three runs of them)
 SPAWN_TIMEOUT_S = 120.0
@@ -171,3 +172,21 @@ def pipe_seconds(rows: tuple[int, ...], width: int, dtype: torch.dtype) -> dict[
         child.join(10)
         if child.is_alive():
             child.kill()
+
+
+def shared_cores(cfg: ModelConfig, tp: int, pp: int, batch: int, prefill_rows: int) -> SharedCores:
+    """Everything a tp x pp layout's ranks take on this machine's cores, measured at batch 1 and `batch` rows (and
+    a micro-batch's), its collectives at a prefill step's `prefill_rows` too; the syncs left at 0 (fitted apart)."""
+    ranks = tp * pp
+    rows = tuple(sorted({1, max(1, batch // pp), batch}))
+    shared = SharedCores(rank_matmul_timings(cfg, rows, tp, ranks, busy=ranks), {}, {})
+    if tp > 1:
+        times = collective_seconds(tp, (*rows, prefill_rows), rows, cfg.hidden_size, cfg.vocab_size)
+        shared = replace(shared, all_reduce_s=times.all_reduce_s, gather_s=times.gather_s)
+    if pp > 1:
+        with torch_threads(rank_threads(ranks)):
+            head_s = head_timings(cfg, rows, tp)
+        shared = replace(shared, hidden_pipe_s=pipe_seconds((*rows, prefill_rows), cfg.hidden_size, torch.bfloat16),
+                         logits_pipe_s=pipe_seconds(rows, cfg.vocab_size, torch.float32),
+                         matmul_alone_s=rank_matmul_timings(cfg, rows, tp, ranks, busy=tp), head_s=head_s)
+    return shared

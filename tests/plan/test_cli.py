@@ -1,6 +1,7 @@
 """`kvyard plan` on the seeds' example (2.8T parameters in NVFP4 on GB300s) and on a model on disk."""
 
 import json
+import os
 
 import pytest
 
@@ -80,3 +81,21 @@ def test_bench_plan_layouts_name_a_model_and_its_ranks():
     assert sync_kind(parse_layout("m:tp2")) == "tensor_sync_s" and sync_kind(parse_layout("m:pp2")) == "stage_sync_s"
     with pytest.raises(ConfigError, match="tensor-parallel or a pipeline"):
         sync_kind(parse_layout("m:tp2pp2"))
+
+
+def test_layouts_on_this_machine_share_its_cores(tiny_checkpoint, capsys):
+    """--measure with layouts of two ranks on this machine: each is timed as its ranks would run here, sharing
+    the cores, so a split divides no prefill time (a pipeline's two micro-batches take three half-steps)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two ranks need two cores to bind to")
+    path = tiny_checkpoint("llama")
+    assert main(["plan", "--model", str(path), "--hardware", "this", "--measure", "--json", "--max-devices", "2",
+                 "--concurrency", "4", "--max-num-batched-tokens", "64"]) == 0
+    listed = {(lo["tp"], lo["pp"]): lo for lo in json.loads(capsys.readouterr().out)["layouts"]}
+    layouts = {key: lo["predicted"] for key, lo in listed.items()}
+    # the ranks share this machine's memory too: a split adds no room (each rank pays its own activations)
+    assert 0.99 * listed[(1, 1)]["kv_tokens"] < listed[(2, 1)]["kv_tokens"] <= listed[(1, 1)]["kv_tokens"]
+    one = layouts[(1, 1)]["batch_1"]["prefill_tok_s"]
+    assert 0 < layouts[(2, 1)]["batch_1"]["prefill_tok_s"] < one
+    assert 0 < layouts[(1, 2)]["batch_1"]["prefill_tok_s"] < one * 2 / 3
+    assert all(p["batch_4"]["decode_tok_s"] > 0 for p in layouts.values())
