@@ -101,6 +101,7 @@ def test_moe_families_on_two_ranks(tiny_checkpoint, arch, placement):
     assert current_group() is None
 
 
+@pytest.mark.slow  # 26 s in CI; test_moe_families_on_two_ranks keeps expert parallelism against one process there
 def test_split_smollm2_moe_on_three_ranks(smollm2_path, tmp_path):
     """SmolLM2's MLPs split into 8 experts, top-2 (`kvyard moe split`), its 9 heads over 3 ranks and its experts
     3, 3 and 2 a rank."""
