@@ -30,7 +30,7 @@ from kvyard.plan.layouts import layout
 from kvyard.plan.measure import measured_this_machine, model_matmul_timings, model_prefill_seconds, timeable
 from kvyard.plan.memory import WEIGHT_FORMATS, breakdown
 from kvyard.plan.model_spec import from_source
-from kvyard.plan.rates import LayerCost, fit_layer_cost, predict
+from kvyard.plan.rates import LayerCost, SharedCores, fit_layer_cost, predict
 from kvyard.sampling_params import SamplingParams
 
 PREFILL_PROMPTS = 4
@@ -72,9 +72,12 @@ def timings(name: str, batch: int, prefill_len: int) -> tuple[dict[int, float], 
             {PREFILL_PROMPTS * prefill_len: model_prefill_seconds(cfg, PREFILL_PROMPTS, prefill_len)})
 
 
-def predicted(name: str, dev: Device, copies: int, args: argparse.Namespace,
-              layer_cost: LayerCost | None = None, matmuls: dict[int, float] | None = None) -> dict[str, float]:
-    """`matmuls`: the decode steps' matmuls timed otherwise than at this process's threads."""
+def predicted(name: str, dev: Device, copies: int, args: argparse.Namespace, layer_cost: LayerCost | None = None,
+              matmuls: dict[int, float] | None = None, tp: int = 1, pp: int = 1,
+              shared: SharedCores | None = None) -> dict[str, float]:
+    """`matmuls`: the decode steps' matmuls timed otherwise than at this process's threads; `tp`, `pp` and
+    `shared`: a layout whose ranks share this machine's cores (kvyard/bench/plan_layouts.py). The weights are
+    rank 0's."""
     model = from_source(name)
     cfg = model.config
     # the prefill is one step: the offline token budget holds every prompt
@@ -83,12 +86,12 @@ def predicted(name: str, dev: Device, copies: int, args: argparse.Namespace,
     out: dict[str, float] = {}
     for batch in (1, args.batch):
         mem = breakdown(cfg, WEIGHT_FORMATS["bfloat16"], args.input_len, batch, size=model.size, packed_copies=copies)
-        lo = layout(cfg, mem, dev, 1, 1, 0.9)
+        lo = layout(cfg, mem, dev, tp, pp, 0.9)
         rates = predict(cfg, model.active_params, mem, dev, lo, batch, args.input_len, matmul_s=matmuls,
-                        layer_cost=layer_cost, prefill_s=prefill_s)
+                        layer_cost=layer_cost, prefill_s=prefill_s, shared=shared)
         out[f"decode_tok_s_batch_{batch}"] = rates.decode_tok_s
     out["prefill_tok_s"] = rates.prefill_tok_s
-    out["weight_bytes"] = mem.weights
+    out["weight_bytes"] = lo.stage_weights[0]
     return out
 
 

@@ -24,8 +24,8 @@ from kvyard.bench.plan import (
     calibrated_layer_cost,
     held_weight_bytes,
     measured,
+    predicted,
     prefill_rate,
-    timings,
 )
 from kvyard.bench.workload import random_workload
 from kvyard.config import EngineConfig
@@ -34,12 +34,10 @@ from kvyard.llm import LLM
 from kvyard.models.linear import packed_copies
 from kvyard.plan.calibration import rank_key
 from kvyard.plan.hardware import Device
-from kvyard.plan.layouts import layout
 from kvyard.plan.measure import model_matmul_timings
 from kvyard.plan.measure_ranks import rank_threads, shared_cores, torch_threads
-from kvyard.plan.memory import WEIGHT_FORMATS, breakdown
 from kvyard.plan.model_spec import from_source
-from kvyard.plan.rates import LayerCost, SharedCores, fit_sync, predict
+from kvyard.plan.rates import LayerCost, SharedCores, fit_sync
 from kvyard.sampling_params import SamplingParams
 
 STACK_ENV = "KVYARD_DECODE_STACK"  # kvyard.kernels.cpu.decode_stack_enabled
@@ -88,8 +86,12 @@ def measured_layout(spec: LayoutSpec, args: argparse.Namespace) -> tuple[dict[st
         torch.set_num_threads(threads)
 
 
-@functools.cache
-def _rank_costs(spec: LayoutSpec, batch: int, prefill_rows: int) -> SharedCores:
+def _rank_costs(spec: LayoutSpec, args: argparse.Namespace) -> SharedCores:
+    return _measured_ranks(spec, args.batch, PREFILL_PROMPTS * args.prefill_len)
+
+
+@functools.cache  # measured once a layout: the sync's fit and the prediction see the same costs
+def _measured_ranks(spec: LayoutSpec, batch: int, prefill_rows: int) -> SharedCores:
     return shared_cores(from_source(spec.model).config, spec.tp, spec.pp, batch, prefill_rows)
 
 
@@ -131,26 +133,15 @@ def rank_layer_cost(dev: Device, threads: int, stack: bool, args: argparse.Names
 
 
 def predicted_layout(spec: LayoutSpec, dev: Device, copies: int, args: argparse.Namespace, layer_cost: LayerCost | None,
-                     prefill_s: dict[int, float], syncs: dict[str, float] | None = None) -> dict[str, float]:
-    model = from_source(spec.model)
-    cfg = model.config
-    shared = replace(_rank_costs(spec, args.batch, max(prefill_s)), **(syncs or {}))
-    out: dict[str, float] = {}
-    for batch in (1, args.batch):
-        mem = breakdown(cfg, WEIGHT_FORMATS["bfloat16"], args.input_len, batch, size=model.size, packed_copies=copies)
-        lo = layout(cfg, mem, dev, spec.tp, spec.pp, 0.9)
-        rates = predict(cfg, model.active_params, mem, dev, lo, batch, args.input_len, layer_cost=layer_cost,
-                        prefill_s=prefill_s, shared=shared)
-        out[f"decode_tok_s_batch_{batch}"] = rates.decode_tok_s
-    out["prefill_tok_s"] = rates.prefill_tok_s
-    out["weight_bytes"] = lo.stage_weights[0]  # rank 0's, as measured
-    return out
+                     syncs: dict[str, float] | None = None) -> dict[str, float]:
+    shared = replace(_rank_costs(spec, args), **(syncs or {}))
+    return predicted(spec.model, dev, copies, args, layer_cost, tp=spec.tp, pp=spec.pp, shared=shared)
 
 
 def fitted_sync(spec: LayoutSpec, dev: Device, copies: int, args: argparse.Namespace, layer_cost: LayerCost | None,
-                prefill_s: dict[int, float], seen: dict[str, float]) -> float:
+                seen: dict[str, float]) -> float:
     """The per-stage-step sync that closes the layout's measured decode steps (batch 1 and --batch) on average."""
-    raw = predicted_layout(spec, dev, copies, args, layer_cost, prefill_s)
+    raw = predicted_layout(spec, dev, copies, args, layer_cost)
     steps = {b: (b / seen[f"decode_tok_s_batch_{b}"], b / raw[f"decode_tok_s_batch_{b}"]) for b in (1, args.batch)}
     return fit_sync({b: m for b, (m, _) in steps.items()}, {b: p for b, (_, p) in steps.items()}, spec.pp)
 
@@ -182,14 +173,13 @@ def layout_rows(dev: Device, args: argparse.Namespace
                   f"{costs[how].per_row_hidden_s * 1e9:.2f} ns a row and hidden unit")
         layer_cost = costs[how]
         seen, copies = measured_layout(spec, args)
-        prefill_s = timings(spec.model, args.batch, args.prefill_len)[1]
         if spec in kinds:
-            syncs[kinds[spec]] = fitted_sync(spec, dev, copies, args, layer_cost, prefill_s, seen)
+            syncs[kinds[spec]] = fitted_sync(spec, dev, copies, args, layer_cost, seen)
             print(f"{kinds[spec]} fitted on {spec.label}: {syncs[kinds[spec]] * 1e3:.2f} ms a stage step")
             if spec not in specs:
                 continue
-        expected = predicted_layout(spec, dev, copies, args, layer_cost, prefill_s, syncs)
-        print(describe(spec, _rank_costs(spec, args.batch, max(prefill_s)), args.batch))
+        expected = predicted_layout(spec, dev, copies, args, layer_cost, syncs)
+        print(describe(spec, _rank_costs(spec, args), args.batch))
         for figure, value in expected.items():
             error = value / seen[figure] - 1
             rows.append({"model": spec.label, "figure": figure, "predicted": value, "measured": seen[figure],

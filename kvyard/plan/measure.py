@@ -36,7 +36,7 @@ STREAM_ROWS = (1, 8, 32, 128)  # the decode batch sizes the weight streaming rat
 STEP_ROWS = 512  # the rows a serving step carries at most: the weights packed as a server packs them
 
 
-def _best_seconds(fn, repeats: int = REPEATS) -> float:  # type: ignore[no-untyped-def]
+def best_seconds(fn, repeats: int = REPEATS) -> float:  # type: ignore[no-untyped-def]
     fn()  # warm: pages touched, kernels chosen
     best = float("inf")
     for _ in range(repeats):
@@ -49,14 +49,14 @@ def _best_seconds(fn, repeats: int = REPEATS) -> float:  # type: ignore[no-untyp
 def memory_bandwidth(buffer_bytes: int = BUFFER_BYTES) -> float:
     """Bytes/s read by a sum over a float32 buffer of `buffer_bytes`."""
     x = torch.ones(buffer_bytes // 4, dtype=torch.float32)
-    return buffer_bytes / _best_seconds(lambda: x.sum())
+    return buffer_bytes / best_seconds(lambda: x.sum())
 
 
 def matmul_flops(m: int = 2048, k: int = 2048, n: int = 2048) -> float:
     """bf16 FLOPs/s of the engine's own linear kernel, its weight packed as the engine packs it for m rows."""
     w = pack_weight(torch.randn(n, k).to(torch.bfloat16), max_rows=m)
     x = torch.randn(m, k).to(torch.bfloat16)
-    return 2 * m * k * n / _best_seconds(lambda: linear(x, w))
+    return 2 * m * k * n / best_seconds(lambda: linear(x, w))
 
 
 def weight_stream_rate(rows: int, total_bytes: int = BUFFER_BYTES // 2, side: int = 2048) -> float:
@@ -69,7 +69,7 @@ def weight_stream_rate(rows: int, total_bytes: int = BUFFER_BYTES // 2, side: in
     def run() -> None:
         for w in weights:
             linear(x, w)
-    return count * side * side * 2 / _best_seconds(run, repeats=3)
+    return count * side * side * 2 / best_seconds(run, repeats=3)
 
 
 def measured_this_machine(rows: tuple[int, ...] = STREAM_ROWS) -> Device:
@@ -82,7 +82,7 @@ def _calls_seconds(calls: list[tuple[torch.Tensor, Any]]) -> float:
     def run() -> None:
         for x, w in calls:
             linear(x, w)
-    return _best_seconds(run, repeats=3)
+    return best_seconds(run, repeats=3)
 
 
 def layer_shapes(cfg: ModelConfig, tp: int = 1) -> list[tuple[int, int, bool]]:
@@ -163,6 +163,6 @@ def model_prefill_seconds(cfg: ModelConfig, prompts: int, length: int, total_byt
     x = torch.randn(rows, cfg.hidden_size).to(torch.bfloat16)
     last = torch.arange(length - 1, rows, length)
     with torch.inference_mode():
-        layers_s = _best_seconds(lambda: model.run_layers(x.clone(), positions, meta, caches), repeats=3)
-        head_s = _best_seconds(lambda: model.logits(rms_norm(x[last], model.final_norm, cfg.rms_norm_eps)))
+        layers_s = best_seconds(lambda: model.run_layers(x.clone(), positions, meta, caches), repeats=3)
+        head_s = best_seconds(lambda: model.logits(rms_norm(x[last], model.final_norm, cfg.rms_norm_eps)))
     return layers_s / copies * cfg.num_layers + head_s

@@ -14,7 +14,6 @@ collectives go through shared memory (kvyard/parallel/shm.py). So a layout's ste
 import math
 import multiprocessing
 import pickle
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -24,7 +23,7 @@ import torch
 from kvyard.models.config import ModelConfig
 from kvyard.net import free_port
 from kvyard.parallel.affinity import bind_process, cpu_share, replica_cpus
-from kvyard.plan.measure import head_timings, model_matmul_timings
+from kvyard.plan.measure import best_seconds, head_timings, model_matmul_timings
 from kvyard.plan.rates import SharedCores
 
 COLLECTIVE_REPEATS = 50  # collectives timed a size (the best of three runs of them)
@@ -79,10 +78,15 @@ def _collect(procs: list, results: "multiprocessing.Queue", combine):  # type: i
     try:
         return combine([results.get(timeout=SPAWN_TIMEOUT_S) for _ in procs])
     finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+        _join(procs)
+
+
+def _join(procs: list) -> None:
+    """Wait a little for each process to end; kill what does not."""
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
 
 
 @dataclass(frozen=True)
@@ -113,14 +117,10 @@ def _time_collectives(rank: int, size: int, master: str, reduce_rows: tuple[int,
 
 def _best(collective) -> float:  # type: ignore[no-untyped-def]
     """Seconds of one collective: the best of three runs of COLLECTIVE_REPEATS (every rank runs the same)."""
-    collective()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
+    def run() -> None:
         for _ in range(COLLECTIVE_REPEATS):
             collective()
-        best = min(best, (time.perf_counter() - start) / COLLECTIVE_REPEATS)
-    return best
+    return best_seconds(run, repeats=3) / COLLECTIVE_REPEATS
 
 
 def collective_seconds(size: int, reduce_rows: tuple[int, ...], gather_rows: tuple[int, ...], hidden: int,
@@ -169,9 +169,7 @@ def pipe_seconds(rows: tuple[int, ...], width: int, dtype: torch.dtype) -> dict[
         mine.send_bytes(b"")
         return out
     finally:
-        child.join(10)
-        if child.is_alive():
-            child.kill()
+        _join([child])
 
 
 def shared_cores(cfg: ModelConfig, tp: int, pp: int, batch: int, prefill_rows: int) -> SharedCores:

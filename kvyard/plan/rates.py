@@ -115,7 +115,8 @@ def predict(cfg: ModelConfig, params: int, memory: MemoryBreakdown, dev: Device,
     stage_flops = micro * (2 * params + attention) / ranks
     memory_s = stage_bytes / dev.bandwidth if dev.bandwidth else 0.0
     compute_s = stage_flops / peak if peak else 0.0
-    if shared and ranks > 1:  # each rank's own measured matmuls, at its share of the peak; one memory for all
+    shared = shared if ranks > 1 else None  # one rank has the whole machine: nothing is shared
+    if shared:  # each rank's own measured matmuls, at its share of the peak; one memory for all
         attention_s = micro * attention / lo.pp / peak if peak else 0.0
         kv_bytes = micro * context * lo.kv_per_token_per_device * ranks
         if batch < lo.pp and shared.matmul_alone_s:  # one stage at work at a time: each takes its share
@@ -133,7 +134,7 @@ def predict(cfg: ModelConfig, params: int, memory: MemoryBreakdown, dev: Device,
     if layer_cost:  # a stage's layers, each at its micro-batch's rows
         memory_s += cfg.num_layers / lo.pp * layer_cost.at(micro, cfg.hidden_size)
     comm_s = 0.0
-    if shared and ranks > 1:
+    if shared:
         comm_s = shared.sync_s(lo) + (shared.collectives_s(cfg, micro, micro) / lo.pp if lo.tp > 1 else 0.0)
         if lo.pp > 1:  # a micro-batch's hidden states cross pp - 1 stage boundaries, its logits come back once
             handover = (lo.pp - 1) * interpolate(shared.hidden_pipe_s, micro) + interpolate(shared.logits_pipe_s, micro)
@@ -151,7 +152,7 @@ def predict(cfg: ModelConfig, params: int, memory: MemoryBreakdown, dev: Device,
     if prefill_s:
         rows = max(prefill_s)
         prefill = ranks * rows / prefill_s[rows]
-        if shared and ranks > 1:
+        if shared:
             prefill = rows / shared_prefill_s(cfg, lo, shared, rows, prefill_s[rows])
     return Rates(step, batch / step if step else 0.0, prefill, bound)
 
