@@ -10,7 +10,8 @@ PORT ?= 8000
 # more `kvyard serve` flags for `make serve`, e.g. KVYARD_ARGS="--quantization gguf"
 KVYARD_ARGS ?=
 
-.PHONY: test serve generate lint model bench clean peers bench-serve llama-server vllm-peer bench-vllm
+.PHONY: test serve generate lint model bench clean peers bench-serve llama-server vllm-peer bench-vllm \
+	openvino-peer bench-openvino
 
 $(PY):
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -132,5 +133,32 @@ bench-vllm: vllm-peer
 	$(VENV)/bin/kvyard bench serve-compare --peer vllm --peer-model $(MODEL) --sweep 1,16,32,64 \
 		--out-dir bench-results/vllm $(VLLM_BENCH_ARGS)
 
+# ---- OpenVINO GenAI, Intel's CPU LLM engine: a venv of its own, with optimum-intel to export the model ----
+# torch is pinned to the CPU build kvyard uses (else pip takes a newer CUDA build); the torchvision that
+# optimum-intel pulls in fails to import beside it and a text model does not need it: removed. The export makes
+# fp16, int8 and int4 (groups of 32) IR from the GGUF (kvyard/bench/openvino_peer.py). Not part of `make test`.
+OPENVINO_VENV := .peers-openvino
+OPENVINO_STAMP := $(OPENVINO_VENV)/.openvino-installed
+OPENVINO_VERSION := 2026.4.1.0
+
+$(OPENVINO_STAMP): $(STAMP)
+	$(PYTHON) -m venv $(OPENVINO_VENV)
+	$(OPENVINO_VENV)/bin/pip install --quiet torch==2.13.0 'openvino-genai==$(OPENVINO_VERSION)' \
+		'openvino-tokenizers==$(OPENVINO_VERSION)' 'optimum-intel[openvino]==2.2.0' 'nncf==3.4.0'
+	$(OPENVINO_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(OPENVINO_STAMP)
+
+openvino-peer: $(OPENVINO_STAMP) model
+	$(PY) -m kvyard.bench.openvino_peer export $(MODEL) fp16,int8,int4
+
+# kvyard against OpenVINO at batch 32 and batch 1, rounds alternating: bf16 against fp16 and int8 IR, then
+# kvyard's own GGUF blocks against int4 IR.
+OPENVINO_BENCH_ARGS ?= --num-requests 32 --input-len 128 --output-len 64 --repeats 3
+bench-openvino: openvino-peer
+	$(VENV)/bin/kvyard bench offline --model $(MODEL) --peers openvino $(OPENVINO_BENCH_ARGS) \
+		--json-out bench-results/openvino-dense.json
+	$(VENV)/bin/kvyard bench offline --model $(MODEL) --quantization gguf --peers openvino $(OPENVINO_BENCH_ARGS) \
+		--json-out bench-results/openvino-gguf.json
+
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) $(VLLM_VENV) $(LLAMA_SERVER_DIR) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS_VENV) $(VLLM_VENV) $(OPENVINO_VENV) $(LLAMA_SERVER_DIR) .pytest_cache .ruff_cache

@@ -14,9 +14,11 @@ from pathlib import Path
 import torch
 
 from kvyard.bench import parallel, peers
+from kvyard.bench.openvino_peer import OpenVINOPeer
 from kvyard.bench.output import emit_json, machine_info
 from kvyard.bench.workload import Workload, random_workload
 from kvyard.cli.engine_args import add_engine_args, engine_config_from_args
+from kvyard.config import EngineConfig
 from kvyard.llm import LLM
 from kvyard.sampling_params import SamplingParams
 
@@ -30,7 +32,10 @@ def add_offline_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="lengths vary uniformly within ±ratio of --input-len/--output-len")
     p.add_argument("--batch1-requests", type=int, default=2, help="requests run one at a time for batch-1 numbers")
     p.add_argument("--repeats", type=int, default=3, help="rounds; the systems take turns in each")
-    p.add_argument("--peers", default="hf", help="comma list of hf, llama.cpp, or none")
+    p.add_argument("--peers", default="hf", help="comma list of hf, llama.cpp, openvino, or none")
+    p.add_argument("--openvino-formats", default="auto",
+                   help="OpenVINO IR weight formats run against kvyard (fp16, int8, int4); auto: fp16,int8 against a "
+                        "dense kvyard, int4 against --quantization gguf")
     p.add_argument("--hf-in-process", action="store_true",
                    help="run HF in this process (under kvyard's malloc settings) instead of its own")
     p.add_argument("--llama-cpp-gguf", default=None,
@@ -52,6 +57,34 @@ def kvyard_batch(llm: LLM, work: Workload) -> float:
     elapsed = time.perf_counter() - start
     assert sum(len(o.outputs[0].token_ids) for o in outs) == work.output_tokens
     return work.output_tokens / elapsed
+
+
+def kvyard_token_ids(llm: LLM, work: Workload) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(work.prompts, [_greedy(n) for n in work.output_lens])]
+
+
+def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """How far two engines' greedy outputs for the same prompts agree: the share of outputs identical token for
+    token, and the mean number of tokens before the first difference."""
+    prefixes = []
+    for a, b in zip(ours, theirs, strict=True):
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        prefixes.append(same)
+    identical = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    return {"identical_share": identical / len(ours), "mean_common_prefix_tokens": statistics.mean(prefixes)}
+
+
+def _start_openvino(args: argparse.Namespace, cfg: EngineConfig, llm: LLM, notes: list[str]) -> dict[str, OpenVINOPeer]:
+    from kvyard.bench import openvino_peer
+
+    if not openvino_peer.installed():
+        notes.append("openvino skipped: needs `make openvino-peer`")
+        return {}
+    formats = openvino_peer.parse_formats(args.openvino_formats, cfg.quantization)
+    dirs = openvino_peer.export(cfg.model, formats)
+    kv_gb = max(1, round(cfg.kv_cache_memory / 2**30))
+    return {fmt: openvino_peer.OpenVINOPeer(path, torch.get_num_threads(), llm.engine.scheduler.token_budget, kv_gb)
+            for fmt, path in dirs.items()}
 
 
 def kvyard_batch1(llm: LLM, work: Workload) -> dict:
@@ -82,6 +115,10 @@ def _ratios(rounds: list[dict], med: dict) -> dict:
         "batch_throughput_vs_tp1": ("kvyard.batch.tok_s", "kvyard-tp1.batch.tok_s"),
         "batch1_throughput_vs_tp1": ("kvyard.batch1.tok_s", "kvyard-tp1.batch1.tok_s"),
     }
+    for peer in sorted({k.split(".")[0] for k in med if k.startswith("openvino-")}):
+        fmt = peer.removeprefix("openvino-")
+        pairs[f"batch_throughput_vs_openvino_{fmt}"] = ("kvyard.batch.tok_s", f"{peer}.batch.tok_s")
+        pairs[f"batch1_throughput_vs_openvino_{fmt}"] = ("kvyard.batch1.tok_s", f"{peer}.batch1.tok_s")
     out = {}
     for name, (a, b) in pairs.items():
         if a in med and b in med:
@@ -120,9 +157,12 @@ def run_offline_bench(args: argparse.Namespace) -> int:
             lcpp = peers.LlamaCppPeer(gguf, torch.get_num_threads(), python)
         else:
             notes.append("llama.cpp skipped: needs llama-cpp-python (`make peers`) and a GGUF file (--llama-cpp-gguf)")
-    # Warm-up at full size, so one-time costs (kernel setup per shape, allocator growth) hit no round.
+    ov = _start_openvino(args, cfg, llm, notes) if "openvino" in wanted else {}
+    # Warm-up at full size, so one-time costs (kernel setup per shape, allocator growth) hit no round; its
+    # outputs show how far each peer's greedy text agrees with kvyard's.
     warm, _ = workload(seed=args.repeats + 1)
-    kvyard_batch(llm, warm)
+    warm_ids = kvyard_token_ids(llm, warm)
+    agreement = {f"openvino-{fmt}": greedy_agreement(warm_ids, peer.batch(warm)[1]) for fmt, peer in ov.items()}
     if tp1 is not None:
         tp1.run(kvyard_batch, warm)
     if hf is not None:
@@ -147,6 +187,11 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         if lcpp is not None:
             lc = lcpp.batch1(single)
             row["llama.cpp.batch1.tok_s"], row["llama.cpp.batch1.itl_ms"] = lc["output_tokens_per_s"], lc["itl_ms_p50"]
+        for fmt, peer in ov.items():
+            row[f"openvino-{fmt}.batch.tok_s"] = work.output_tokens / peer.batch(work)[0]
+            b1 = peer.batch1(single)
+            row[f"openvino-{fmt}.batch1.tok_s"], row[f"openvino-{fmt}.batch1.itl_ms"] = (b1["output_tokens_per_s"],
+                                                                                        b1["itl_ms_p50"])
         print(f"round {r + 1}/{args.repeats}: " + ", ".join(f"{k}={v:.1f}" for k, v in row.items()), file=sys.stderr)
         rounds.append(row)
     layout = None if tp1 is None else parallel.layout_report(llm, tp1, comm)
@@ -156,6 +201,8 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         hf.close()
     if lcpp is not None:
         lcpp.close()
+    for peer in ov.values():
+        peer.close()
     med = _median_summary(rounds)
     result = {
         "model": llm.engine.model_path.name,
@@ -170,6 +217,8 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         "kvyard_prefix_hit_tokens": llm.engine.blocks.hit_tokens - hits_before,
         "hf_process": None if hf is None else ("shared" if args.hf_in_process else "own"),
         "parallel": layout,
+        "openvino": {fmt: {"ir": str(peer.model_dir), "inference_precision": peer.inference_precision,
+                           "greedy_agreement_with_kvyard": agreement[f"openvino-{fmt}"]} for fmt, peer in ov.items()},
         "median": med,
         "ratios": _ratios(rounds, med),
         "rounds": rounds,

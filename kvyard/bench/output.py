@@ -11,6 +11,7 @@ def emit_json(result: dict, json_out: str | None) -> None:
     text = json.dumps(result, indent=2)
     print(text)
     if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(json_out).write_text(text + "\n")
 
 

@@ -128,32 +128,28 @@ def llama_cpp_python() -> str | None:
     return None
 
 
-class LlamaCppPeer:
-    """llama-cpp-python on a GGUF file, generating one prompt at a time as its Python API offers, in a process of
-    its own under `python` (kvyard/bench/llama_cpp_worker.py): llama-cpp-python usually lives in another venv."""
+class JsonLinePeer:
+    """A peer engine in a process of its own, under another venv's Python: one JSON line in per job, one out.
 
-    def __init__(self, gguf_path: Path, threads: int, python: str):
-        worker = Path(__file__).with_name("llama_cpp_worker.py")
-        self._proc = subprocess.Popen([python, str(worker), str(gguf_path), str(threads)], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, text=True)
-        self._read()
+    The worker prints {"ready": true, ...} once loaded and {"error": "..."} when it fails."""
+
+    def __init__(self, argv: list[str]):
+        self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready = self._read()
 
     def _read(self) -> dict:
         assert self._proc.stdout is not None
         line = self._proc.stdout.readline()
         reply = json.loads(line) if line else {"error": f"exited with {self._proc.wait()}"}
         if "error" in reply:
-            raise RuntimeError(f"llama.cpp peer process: {reply['error']}")
+            raise RuntimeError(f"peer process {Path(self._proc.args[1]).name}: {reply['error']}")
         return reply
 
-    def batch1(self, work: Workload) -> dict:
+    def request(self, job: dict) -> dict:
         assert self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps({"prompts": work.prompts, "output_lens": work.output_lens}) + "\n")
+        self._proc.stdin.write(json.dumps(job) + "\n")
         self._proc.stdin.flush()
-        reply = self._read()
-        itls = sorted(reply["itls"])
-        return {"output_tokens": reply["tokens"], "output_tokens_per_s": reply["tokens"] / reply["seconds"],
-                "itl_ms_p50": 1000 * itls[len(itls) // 2]}
+        return self._read()
 
     def close(self) -> None:
         if self._proc.stdin is not None:
@@ -162,3 +158,21 @@ class LlamaCppPeer:
             self._proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self._proc.kill()
+
+
+def batch1_figures(reply: dict) -> dict:
+    """A worker's one-at-a-time reply ({"tokens", "seconds", "itls"}) as the bench's batch-1 figures."""
+    itls = sorted(reply["itls"])
+    return {"output_tokens": reply["tokens"], "output_tokens_per_s": reply["tokens"] / reply["seconds"],
+            "itl_ms_p50": 1000 * itls[len(itls) // 2]}
+
+
+class LlamaCppPeer(JsonLinePeer):
+    """llama-cpp-python on a GGUF file, generating one prompt at a time as its Python API offers, in a process of
+    its own under `python` (kvyard/bench/llama_cpp_worker.py): llama-cpp-python usually lives in another venv."""
+
+    def __init__(self, gguf_path: Path, threads: int, python: str):
+        super().__init__([python, str(Path(__file__).with_name("llama_cpp_worker.py")), str(gguf_path), str(threads)])
+
+    def batch1(self, work: Workload) -> dict:
+        return batch1_figures(self.request({"prompts": work.prompts, "output_lens": work.output_lens}))

@@ -15,39 +15,16 @@ import shlex
 import sys
 from pathlib import Path
 
+from kvyard.bench.hf_export import dequantized_hf_dir
+
 VENV = Path(".peers-vllm")
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 KV_CACHE_GIB = 1  # as kvyard's default --kv-cache-memory
 
 
-def exported_dir(model: str) -> Path:
-    return VENV / "models" / Path(model).name.removesuffix(".gguf")
-
-
 def export(model: str) -> Path:
     """An HF directory (bf16 safetensors, tokenizer, chat template) of `model`, made once."""
-    import torch
-    import transformers
-
-    from kvyard.loader.registry import resolve_model
-
-    out = exported_dir(model)
-    if (out / "config.json").exists():
-        return out
-    src = resolve_model(model)
-    if src.is_dir():
-        return src  # already HF
-    dense = transformers.AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
-                                                              dtype=torch.float32)
-    config = dense.config
-    config.__dict__.pop("quantization_config", None)  # dequantized: a model HF can save, and vLLM read
-    model_bf16 = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model_bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in dense.state_dict().items()})
-    partial = out.with_name(out.name + ".partial")
-    model_bf16.save_pretrained(str(partial))
-    transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(str(partial))
-    partial.rename(out)
-    return out
+    return dequantized_hf_dir(model, VENV / "models")
 
 
 def command(model_dir: Path, threads: int | None = None) -> str:
