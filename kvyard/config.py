@@ -117,6 +117,10 @@ class EngineConfig:
     # Bytes the loaded adapters' weights may take; past it the least recently used one no request runs with is
     # unloaded, and read again from its directory when a request names it. 0: no limit
     lora_memory: int | str = 0
+    # Batch-invariant bf16 (kvyard/models/linear.py RowInvariantWeight, attention.py invariant_rows): a token's
+    # result depends only on its own context, not on the batch, the chunking, the prefix cache or speculation.
+    # Dense bf16 weights on CPU, one process; see check_batch_invariant for what it refuses.
+    batch_invariant: bool = False
     ngram_min: int = 1  # prompt lookup matches the last n tokens, n from ngram_max down to ngram_min
     ngram_max: int = 4
 
@@ -159,6 +163,24 @@ class EngineConfig:
             raise InvalidRequestError("max_itl_ms must be >= 0 (0 turns the inter-token target off)",
                                       param="max_itl_ms")
         self._check_speculative()
+        self._check_batch_invariant()
+
+    def _check_batch_invariant(self) -> None:
+        """The batch-invariant path covers what its kernels cover; anything else is refused rather than served
+        with a promise it would not keep."""
+        if not self.batch_invariant:
+            return
+        unsupported = [
+            (self.dtype != torch.bfloat16, f"dtype {str(self.dtype).removeprefix('torch.')} (it covers bfloat16)"),
+            (self.device != "cpu", f"device {self.device} (its kernels are kvyard's CPU kernels)"),
+            (self.quantization is not None, f"quantization {self.quantization} (low-bit weights are not covered yet)"),
+            (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1, "tensor or pipeline parallelism"),
+            (bool(self.lora_adapters), "LoRA adapters"),
+            (self.kv_cache_dtype != "auto", "an int8 KV cache"),
+        ]
+        for refused, what in unsupported:
+            if refused:
+                raise InvalidRequestError(f"batch_invariant does not cover {what}", param="batch_invariant")
 
     @property
     def token_budget(self) -> int:

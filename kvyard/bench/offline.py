@@ -5,6 +5,7 @@ median of each figure and the ratio of the medians (with every round's ratio nex
 """
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -41,6 +42,8 @@ def add_offline_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--llama-cpp-gguf", default=None,
                    help="the GGUF file llama.cpp runs (default: the model, when it is a GGUF file), e.g. the source of "
                         "a quantized kvyard directory")
+    p.add_argument("--compare-batch-invariant", action="store_true",
+                   help="also time the same engine with --batch-invariant, in the same rounds (its cost)")
     p.add_argument("--json-out", default=None)
     add_engine_args(p)
     p.set_defaults(func=run_offline_bench)
@@ -114,6 +117,8 @@ def _ratios(rounds: list[dict], med: dict) -> dict:
         "batch1_throughput_vs_llama_cpp": ("kvyard.batch1.tok_s", "llama.cpp.batch1.tok_s"),
         "batch_throughput_vs_tp1": ("kvyard.batch.tok_s", "kvyard-tp1.batch.tok_s"),
         "batch1_throughput_vs_tp1": ("kvyard.batch1.tok_s", "kvyard-tp1.batch1.tok_s"),
+        "batch_invariant_batch_throughput": ("kvyard-invariant.batch.tok_s", "kvyard.batch.tok_s"),
+        "batch_invariant_batch1_itl": ("kvyard-invariant.batch1.itl_ms", "kvyard.batch1.itl_ms"),
     }
     for peer in sorted({k.split(".")[0] for k in med if k.startswith("openvino-")}):
         fmt = peer.removeprefix("openvino-")
@@ -158,11 +163,14 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         else:
             notes.append("llama.cpp skipped: needs llama-cpp-python (`make peers`) and a GGUF file (--llama-cpp-gguf)")
     ov = _start_openvino(args, cfg, llm, notes) if "openvino" in wanted else {}
+    invariant = LLM(config=dataclasses.replace(cfg, batch_invariant=True)) if args.compare_batch_invariant else None
     # Warm-up at full size, so one-time costs (kernel setup per shape, allocator growth) hit no round; its
     # outputs show how far each peer's greedy text agrees with kvyard's.
     warm, _ = workload(seed=args.repeats + 1)
     warm_ids = kvyard_token_ids(llm, warm)
     agreement = {f"openvino-{fmt}": greedy_agreement(warm_ids, peer.batch(warm)[1]) for fmt, peer in ov.items()}
+    if invariant is not None:
+        agreement["kvyard-invariant"] = greedy_agreement(warm_ids, kvyard_token_ids(invariant, warm))
     if tp1 is not None:
         tp1.run(kvyard_batch, warm)
     if hf is not None:
@@ -179,6 +187,11 @@ def run_offline_bench(args: argparse.Namespace) -> int:
             row["hf.batch.tok_s"] = work.output_tokens / hf.static_batch(work, pad)
         b1 = kvyard_batch1(llm, single)
         row["kvyard.batch1.tok_s"], row["kvyard.batch1.itl_ms"] = b1["output_tokens_per_s"], b1["itl_ms_p50"]
+        if invariant is not None:
+            row["kvyard-invariant.batch.tok_s"] = kvyard_batch(invariant, work)
+            b1 = kvyard_batch1(invariant, single)
+            row["kvyard-invariant.batch1.tok_s"], row["kvyard-invariant.batch1.itl_ms"] = (b1["output_tokens_per_s"],
+                                                                                            b1["itl_ms_p50"])
         if tp1 is not None:
             b1 = tp1.run(kvyard_batch1, single)
             row["kvyard-tp1.batch1.tok_s"], row["kvyard-tp1.batch1.itl_ms"] = b1["output_tokens_per_s"], b1["itl_ms_p50"]
@@ -217,8 +230,9 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         "kvyard_prefix_hit_tokens": llm.engine.blocks.hit_tokens - hits_before,
         "hf_process": None if hf is None else ("shared" if args.hf_in_process else "own"),
         "parallel": layout,
-        "openvino": {fmt: {"ir": str(peer.model_dir), "inference_precision": peer.inference_precision,
-                           "greedy_agreement_with_kvyard": agreement[f"openvino-{fmt}"]} for fmt, peer in ov.items()},
+        "greedy_agreement_with_kvyard": agreement,
+        "openvino": {fmt: {"ir": str(peer.model_dir), "inference_precision": peer.inference_precision}
+                     for fmt, peer in ov.items()},
         "median": med,
         "ratios": _ratios(rounds, med),
         "rounds": rounds,

@@ -111,6 +111,7 @@ class LLMEngine:
             cpu_kernels.available()  # build (first run on a machine) or load them now, not in the first request
             keep_freed_memory()
         self._refuse_with_parallelism(ckpt.config)
+        self._refuse_batch_invariant(ckpt.config)
         if self._leads_ranks():
             self._workers = self._start_ranks()
         group = self._parallel_group()
@@ -140,6 +141,7 @@ class LLMEngine:
             model = build_model(ckpt.config, cfg.dtype, device, **sizes)
         else:
             model = TensorParallelDecoder(ckpt.config, group, cfg.dtype, device, **sizes, expert_placement=placement)
+        model.batch_invariant = cfg.batch_invariant  # before load: it decides the weights' resident form
         model.load(self._weights(ckpt), str(path))
         self.lora = self._lora_adapters(model)
         if cfg.kv_cache_dtype == "int8":
@@ -264,6 +266,16 @@ class LLMEngine:
     def _lora_requests(self, name: str) -> int:
         """Requests queued or running with the adapter `name` (none while the engine is being built)."""
         return sum(1 for t in getattr(self, "_tracked", {}).values() if t.req.lora == name)
+
+    def _refuse_batch_invariant(self, model: "ModelConfig") -> None:
+        """The batch-invariant path runs dense layers with full attention; other layers have kernels of their own."""
+        if not self.cfg.batch_invariant:
+            return
+        kind = ("sliding-window attention" if any(w is not None for w in model.layer_windows) else
+                "Mixture-of-Experts layers" if model.num_experts else
+                "latent attention" if model.kv_lora_rank else None)
+        if kind is not None:
+            raise ConfigError(f"batch_invariant does not cover {model.model_type}'s {kind} yet", param="batch_invariant")
 
     def _refuse_with_parallelism(self, model: "ModelConfig") -> None:
         cfg = self.cfg

@@ -49,6 +49,7 @@ class AttentionMetadata:
     soft_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     _decode_mask: torch.Tensor | None = field(default=None, init=False, repr=False)
     _windowed: dict[int, "AttentionMetadata"] = field(default_factory=dict, init=False, repr=False)
+    _invariant: "AttentionMetadata | None" = field(default=None, init=False, repr=False)
 
     def windowed(self, window: int | None) -> "AttentionMetadata":
         """The step as a sliding-window layer sees it: a query attends to keys fewer than `window` positions
@@ -74,6 +75,32 @@ class AttentionMetadata:
                                                               window, self.sinks)
             out.block_size = 1
         return out
+
+    def invariant_rows(self) -> "AttentionMetadata":
+        """The step with every prompt token as a decode row: its sequence's block table and its own context
+        length (its position + 1). The decode kernel then attends each token over its context in the one order
+        a decode step would, so the result does not depend on the chunking, on which rows share the step, or on
+        whether the context came from the prefix cache: SDPA over a chunk sums in an order set by the chunk's
+        shape. Made once per step, for all the layers. Full-attention layers only (the engine refuses the
+        batch-invariant path for sliding windows)."""
+        if self._invariant is None:
+            parts = [(self.decode_blocks, self.decode_lens)] if self.num_decodes else []  # (table, lens) per part
+            for span in self.prefills:
+                assert span.start == sum(t.shape[0] for t, _ in parts), "a step's tokens: decodes, then chunks"
+                chunk = span.end - span.start
+                slots = self.slot_mapping[span.start:span.end] if span.context_slots is None else span.context_slots
+                blocks = slots[:: self.block_size] // self.block_size  # a context starts at its first block's slot 0
+                lens = torch.arange(len(slots) - chunk + 1, len(slots) + 1, device=slots.device)
+                parts.append((blocks.expand(chunk, -1), lens))
+            rows, width = sum(t.shape[0] for t, _ in parts), max(t.shape[1] for t, _ in parts)
+            table = torch.zeros(rows, width, dtype=torch.int64, device=self.slot_mapping.device)
+            row = 0
+            for t, _ in parts:
+                table[row : row + t.shape[0], : t.shape[1]] = t
+                row += t.shape[0]
+            lens = torch.cat([n.to(torch.int64) for _, n in parts])
+            self._invariant = AttentionMetadata(self.slot_mapping, self.block_size, rows, table, lens)
+        return self._invariant
 
     def decode_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """[decodes, 1, 1, max_blocks * block_size] additive mask (0 / -inf) over the padded blocks; made
@@ -140,11 +167,14 @@ def paged_attention(
     k: torch.Tensor,  # [tokens, kv_heads, head_dim], this step's K/V (chunks without context attend to them)
     v: torch.Tensor,
     scale: float | None = None,  # None: head_dim ** -0.5 (SDPA's own default, to the last bit)
+    batch_invariant: bool = False,  # every token as a decode row (see invariant_rows)
 ) -> torch.Tensor:
     """Attention of every token of the step; returns [tokens, heads, head_dim]."""
     nd = meta.num_decodes
     if not meta.prefills:  # a pure decode step: no output buffer to assemble
         return decode_attention(q, cache, meta, scale)
+    if batch_invariant:
+        return decode_attention(q, cache, meta.invariant_rows(), scale)
     out = torch.empty_like(q)
     if nd:
         out[:nd] = decode_attention(q[:nd], cache, meta, scale)

@@ -17,7 +17,7 @@ import torch
 
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models import linear as linear_mod
-from kvyard.models.linear import VnniWeight, Weight
+from kvyard.models.linear import RowInvariantWeight, VnniWeight, Weight
 from kvyard.quant.qlinear import PlainLowBitLinear, VnniLowBitLinear
 
 if TYPE_CHECKING:
@@ -41,6 +41,8 @@ def linear_spec(w: Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> Lin
     none = [0, 0, 0, 0]
     if isinstance(w, VnniWeight):
         return (AMX if cpu_kernels.amx_available() else DPBF16), [w.blocks, None, None, bias, None, None], none
+    if isinstance(w, RowInvariantWeight):  # the batch-invariant path: the same kernel as the layer-by-layer one
+        return LINEAR_BF16, [w.weight, None, None, bias, None, None], none
     if isinstance(w, PlainLowBitLinear):
         return LOW_BIT, [w.q, w.scale, w.zero, bias, None, None], [w.bits, w.group_size, w.out_features, w.k_pad]
     if isinstance(w, VnniLowBitLinear) and dtype == torch.bfloat16:

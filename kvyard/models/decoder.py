@@ -18,7 +18,15 @@ from kvyard.models.config import ModelConfig
 from kvyard.models.decode_stack import build_decode_stack, run_decode_stack, takes_step
 from kvyard.models.huge_pages import move_to_huge_pages, tensors_in
 from kvyard.models.kv_layer import LayerKV
-from kvyard.models.linear import VnniWeight, Weight, gated_mlp_input, linear, pack_weight
+from kvyard.models.linear import (
+    RowInvariantWeight,
+    VnniWeight,
+    Weight,
+    gated_mlp_input,
+    linear,
+    pack_weight,
+    row_invariant,
+)
 from kvyard.models.moe import MoeWeights, load_moe, moe_mlp
 from kvyard.models.rope import RotaryTable, apply_rotary
 from kvyard.quant.qlinear import make_linear
@@ -104,6 +112,9 @@ class DecoderModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.adapters: Any = None  # kvyard.lora.stack.LoraRegistry, where the engine serves LoRA adapters
         self._adapter_rows: Any = None  # the running step's meta.adapter_rows
+        # Set before `load` for --batch-invariant: weights kept plain for one kernel at every row count, and every
+        # token's attention taken by the decode kernel, so a row's result depends on nothing but its own context.
+        self.batch_invariant = False
 
     # ---- loading -------------------------------------------------------------------------------------
 
@@ -131,7 +142,7 @@ class DecoderModel:
             return w.pop(name)  # type: ignore[return-value]
 
         def weight(*names: str, gate_up: bool = False) -> Weight:
-            return pack_weight(self._weight([take(n) for n in names], source), self.max_rows, gate_up)
+            return self._pack(self._weight([take(n) for n in names], source), gate_up)
 
         if self.holds_embedding or (self.holds_head and cfg.tie_word_embeddings):
             self.embed = take("model.embed_tokens.weight")
@@ -232,7 +243,7 @@ class DecoderModel:
         # threads) GEMV took 1.9 ms against 3.8 ms for oneDNN's packed layout when both alternated over two
         # copies of the head, and about the same (4.6-5.2 ms) with the caches flushed before each call.
         head = self._head()
-        if last.shape[0] == 1 and not isinstance(head, VnniWeight):
+        if last.shape[0] == 1 and not isinstance(head, (VnniWeight, RowInvariantWeight)):
             head = self.lm_head
         cap = self.cfg.final_logit_softcapping
         if isinstance(head, VnniWeight) and not cap:
@@ -275,8 +286,11 @@ class DecoderModel:
         # Packed on first use rather than at load: callers may still slice or swap lm_head after loading
         # (a speculator's vocabulary map, the quantizer's unit switch), and a tied head shares the embedding.
         if self._packed_head is None or self._packed_head[0] is not self.lm_head:
-            self._packed_head = (self.lm_head, pack_weight(self.lm_head, self.max_rows))  # type: ignore[arg-type]
+            self._packed_head = (self.lm_head, self._pack(self.lm_head))  # type: ignore[arg-type]
         return self._packed_head[1]
+
+    def _pack(self, w: Weight, gate_up: bool = False) -> Weight:
+        return row_invariant(w) if self.batch_invariant else pack_weight(w, self.max_rows, gate_up)
 
     def _attention(self, h: torch.Tensor, layer: LayerWeights, cache: LayerKV, meta: AttentionMetadata,
                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -303,7 +317,7 @@ class DecoderModel:
             # RoPE in place on q and k: v stays next to k in the same buffer, and no q/k copies are made.
             apply_rotary(qk, cos, sin, out=qk)
             cache.write(meta.slot_mapping, k, v)
-        attn = paged_attention(q, cache, meta, k, v, cfg.attention_scale)
+        attn = paged_attention(q, cache, meta, k, v, cfg.attention_scale, self.batch_invariant)
         return self._project(attn.reshape(n, self.q_size), layer, "o", layer.o)
 
     def _mlp(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:

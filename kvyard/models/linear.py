@@ -5,7 +5,9 @@ A dense bf16 weight is held in one of two pre-arranged forms, so that no matmul 
   or AVX512-BF16 (csrc/dpbf16_linear.cpp): a decode step's few rows then stream each weight at close to
   memory speed, at a few microseconds per call (with AMX, prefill-sized calls take the oneDNN copy it keeps
   where steps may carry more than 512 rows; the AVX512-BF16 loop ties oneDNN there and keeps none);
-- oneDNN's blocked layout otherwise (torch.ops.mkldnn).
+- oneDNN's blocked layout otherwise (torch.ops.mkldnn);
+- `RowInvariantWeight` on the batch-invariant path (`--batch-invariant`): the plain matrix, run by one kernel at
+  every row count, so that a row's result never depends on the rows that share its call.
 Low-bit weights (QuantizedLinear) carry their own kernels; fp32 and GPU weights stay plain.
 """
 
@@ -70,13 +72,43 @@ class VnniWeight:
         return self(x).float()
 
 
+@dataclass(frozen=True)
+class RowInvariantWeight:
+    """A plain bf16 [out, in] weight whose every matmul, at any row count and on any CPU kind, runs kvyard's
+    portable kernel (csrc/linear_bf16.cpp, widened_rows.h): each output element is one fp32 sum over the input in
+    a fixed order, rounded to bf16 once, whichever rows share the call. oneDNN, MKL and the AMX and AVX512-BF16
+    kernels each choose their blocking (and so their order of summation) by the shape of the call."""
+
+    weight: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape  # type: ignore[return-value]
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.ops.kvyard.linear_bf16(x.contiguous(), self.weight)
+        return y if bias is None else y + bias
+
+
 @functools.cache
 def _vnni_kernel():  # looked up once: a decode step makes ~120 of these calls, each ~2 us of Python otherwise
     return torch.ops.kvyard.amx_linear if cpu_kernels.amx_available() else torch.ops.kvyard.dpbf16_linear
 
 
 # A linear layer's weight: a dense [out, in] matrix (plain or oneDNN-packed), VNNI blocks, or a low-bit one.
-Weight = torch.Tensor | VnniWeight | QuantizedLinear
+Weight = torch.Tensor | VnniWeight | RowInvariantWeight | QuantizedLinear
+
+
+def row_invariant(w: Weight) -> Weight:
+    """`w` for the batch-invariant path: a dense bf16 CPU matrix as a RowInvariantWeight, anything else as it is
+    (the engine refuses the path for the weights it cannot keep invariant: see EngineConfig.batch_invariant)."""
+    if isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.bfloat16 and w.device.type == "cpu":
+        return RowInvariantWeight(w.contiguous())
+    return w
 
 
 def packable(w: torch.Tensor) -> bool:
