@@ -119,7 +119,7 @@ class EngineConfig:
     lora_memory: int | str = 0
     # Batch-invariant bf16 (kvyard/models/linear.py RowInvariantWeight, attention.py invariant_rows): a token's
     # result depends only on its own context, not on the batch, the chunking, the prefix cache or speculation.
-    # Dense bf16 weights on CPU, one process; see check_batch_invariant for what it refuses.
+    # Dense bf16 weights and the portable low-bit kernel's on CPU, one process; _check_batch_invariant refuses the rest.
     batch_invariant: bool = False
     ngram_min: int = 1  # prompt lookup matches the last n tokens, n from ngram_max down to ngram_min
     ngram_max: int = 4
@@ -173,7 +173,8 @@ class EngineConfig:
         unsupported = [
             (self.dtype != torch.bfloat16, f"dtype {str(self.dtype).removeprefix('torch.')} (it covers bfloat16)"),
             (self.device != "cpu", f"device {self.device} (its kernels are kvyard's CPU kernels)"),
-            (self.quantization is not None, f"quantization {self.quantization} (low-bit weights are not covered yet)"),
+            (self.quantization not in (None, "gguf"), f"quantization {self.quantization} (of the low-bit weights it "
+                                                        "covers a GGUF file's own blocks, --quantization gguf)"),
             (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1, "tensor or pipeline parallelism"),
             (bool(self.lora_adapters), "LoRA adapters"),
             (self.kv_cache_dtype != "auto", "an int8 KV cache"),

@@ -5,7 +5,8 @@ Each row is one target engine with a drafter swapped in and out (`engine.spec`),
 speculation run on the same weights in the same process. Every prompt runs both ways back to back, the
 order alternating, for `--repeats` rounds: noise from other processes hits both sides. Decode tokens/s
 counts from the first output token (prefill excluded) to the last; greedy outputs are compared (identical in
-float32; in bfloat16 the verify pass and a plain decode round differently, so near-ties can flip).
+float32 and with --batch-invariant; in plain bfloat16 the verify pass and a plain decode round differently, so
+near-ties can flip).
 The load row submits `--concurrency` requests at once, adaptive speculation on against off.
 """
 
@@ -64,6 +65,8 @@ def add_spec_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="the load row's longest request; the others' max_tokens spread evenly below it")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the targets on the batch-invariant path: bf16 outputs then match with and without speculation")
     p.add_argument("--json-out", default=None)
     p.add_argument("--md-out", default=None)
     p.set_defaults(func=run_spec_bench)
@@ -103,7 +106,8 @@ class Engines:
 
     def llm(self, target: str) -> LLM:
         if target not in self.llms:
-            self.llms[target] = LLM(target, dtype=self.args.dtype, kv_cache_memory=self.args.kv_cache_memory)
+            self.llms[target] = LLM(target, dtype=self.args.dtype, kv_cache_memory=self.args.kv_cache_memory,
+                                    batch_invariant=self.args.batch_invariant)
         return self.llms[target]
 
     def drafter(self, llm: LLM, spec: dict, model_only: bool = False) -> SpeculativeDecoding:

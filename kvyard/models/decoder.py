@@ -19,7 +19,6 @@ from kvyard.models.decode_stack import build_decode_stack, run_decode_stack, tak
 from kvyard.models.huge_pages import move_to_huge_pages, tensors_in
 from kvyard.models.kv_layer import LayerKV
 from kvyard.models.linear import (
-    RowInvariantWeight,
     VnniWeight,
     Weight,
     gated_mlp_input,
@@ -125,7 +124,8 @@ class DecoderModel:
             return dense.contiguous()
         if not all(isinstance(p, QuantizedTensor) for p in parts):
             raise CheckpointError(f"{source}: fused projections mix quantized and dense weights")
-        return make_linear(QuantizedTensor.cat(parts), self.dtype, self.device)  # type: ignore[arg-type]
+        return make_linear(QuantizedTensor.cat(parts), self.dtype, self.device,  # type: ignore[arg-type]
+                           portable=self.batch_invariant)
 
     def _qk_norm(self, q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -243,7 +243,7 @@ class DecoderModel:
         # threads) GEMV took 1.9 ms against 3.8 ms for oneDNN's packed layout when both alternated over two
         # copies of the head, and about the same (4.6-5.2 ms) with the caches flushed before each call.
         head = self._head()
-        if last.shape[0] == 1 and not isinstance(head, (VnniWeight, RowInvariantWeight)):
+        if last.shape[0] == 1 and not isinstance(head, VnniWeight) and not self.batch_invariant:
             head = self.lm_head
         cap = self.cfg.final_logit_softcapping
         if isinstance(head, VnniWeight) and not cap:

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvyard.errors import ConfigError
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.kernels import fp32_gemm, vnni
-from kvyard.quant.qlinear import QuantizedLinear
+from kvyard.quant.qlinear import PlainLowBitLinear, QuantizedLinear
 
 _PACK_ROWS_HINT = 32  # the layout oneDNN picks for this many rows also serves 1 and 512 rows well
 AMX_MAX_ROWS = 512  # up to here the AMX loop is at least as fast as oneDNN (0.9x of its time at 512 rows)
@@ -99,16 +100,40 @@ def _vnni_kernel():  # looked up once: a decode step makes ~120 of these calls, 
     return torch.ops.kvyard.amx_linear if cpu_kernels.amx_available() else torch.ops.kvyard.dpbf16_linear
 
 
+class RowInvariantLowBit:
+    """A low-bit weight of kvyard's portable kernel (csrc/lowbit_linear.cpp) on the batch-invariant path: every
+    call takes the kernel's widened loop (widened_rows.h), whose sums keep one order at any row count. A lone row
+    would take its integer path instead, which rounds x to int16 first, so it goes in twice and comes out once
+    (a row more of arithmetic over weights the call streams anyway)."""
+
+    def __init__(self, inner: PlainLowBitLinear):
+        self.inner = inner
+        self.in_features, self.out_features = inner.in_features, inner.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows, w = x.shape[0], self.inner
+        x = x if rows > 1 else x.expand(2, -1)
+        y = torch.ops.kvyard.lowbit_linear(w._pad_x(x).contiguous(), w.q, w.scale, w.zero, w.bits, w.group_size,
+                                           w.out_features)
+        return y[:rows]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.inner.dequantize(dtype)
+
+
 # A linear layer's weight: a dense [out, in] matrix (plain or oneDNN-packed), VNNI blocks, or a low-bit one.
-Weight = torch.Tensor | VnniWeight | RowInvariantWeight | QuantizedLinear
+Weight = torch.Tensor | VnniWeight | RowInvariantWeight | RowInvariantLowBit | QuantizedLinear
 
 
 def row_invariant(w: Weight) -> Weight:
-    """`w` for the batch-invariant path: a dense bf16 CPU matrix as a RowInvariantWeight, anything else as it is
-    (the engine refuses the path for the weights it cannot keep invariant: see EngineConfig.batch_invariant)."""
+    """`w` for the batch-invariant path: a dense bf16 CPU matrix as a RowInvariantWeight, a weight of the portable
+    low-bit kernel as a RowInvariantLowBit; anything else has no kernel that keeps a row's sums in one order."""
     if isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.bfloat16 and w.device.type == "cpu":
         return RowInvariantWeight(w.contiguous())
-    return w
+    if isinstance(w, PlainLowBitLinear):
+        return RowInvariantLowBit(w)
+    raise ConfigError(f"batch_invariant does not cover a {type(w).__name__} weight: only dense "
+                      "bf16 weights and the portable low-bit kernel's (no outlier columns)", param="batch_invariant")
 
 
 def packable(w: torch.Tensor) -> bool:

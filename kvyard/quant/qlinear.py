@@ -322,11 +322,12 @@ class PlainLowBitLinear(_ScaledCodes, _PaddedInput):
         return w[: self.out_features, : self.in_features].to(dtype)
 
 
-def make_linear(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> QuantizedLinear:
+def make_linear(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device,
+                portable: bool = False) -> QuantizedLinear:
     """The fastest low-bit form here: kvyard's VNNI blocks (AMX or AVX-512 kernel), else its portable kernel, else
-    PyTorch's own."""
+    PyTorch's own. `portable`: the portable kernel even where VNNI blocks would run (the batch-invariant path)."""
     inner: QuantizedLinear
-    if VnniLowBitLinear.fits(qt, dtype, device):
+    if not portable and VnniLowBitLinear.fits(qt, dtype, device):
         return VnniLowBitLinear(qt)  # both of its kernels add outlier columns themselves
     if PlainLowBitLinear.fits(qt, dtype, device):
         inner = PlainLowBitLinear(qt)

@@ -14,7 +14,7 @@ from kvyard import LLM, SamplingParams
 from kvyard.errors import InvalidRequestError
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.attention import AttentionMetadata, PrefillSpan
-from kvyard.models.linear import RowInvariantWeight
+from kvyard.models.linear import RowInvariantLowBit, RowInvariantWeight
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="kvyard's C++ kernels did not build here")
 
@@ -70,7 +70,7 @@ def test_invariant_rows_give_each_prompt_token_its_own_context():
 def test_the_path_refuses_what_it_does_not_cover():
     from kvyard.config import EngineConfig
 
-    for options in (dict(dtype="float32"), dict(quantization="gguf"), dict(tensor_parallel_size=2),
+    for options in (dict(dtype="float32"), dict(quantization="int8"), dict(tensor_parallel_size=2),
                     dict(kv_cache_dtype="int8")):
         with pytest.raises(InvalidRequestError, match="batch_invariant does not cover"):
             EngineConfig(batch_invariant=True, **options)
@@ -142,6 +142,23 @@ def test_kv_handed_over_from_a_prefill_engine_gives_the_colocated_tokens(invaria
         assert decode.engine.adopt_kv(held.token_ids[: usable * bs], held.block_hashes[:usable], tensors) == usable
         assert _greedy(decode, [prompt])[0] == colocated
         assert decode.engine.blocks.hit_tokens == usable * bs  # the handed-over blocks were used, not recomputed
+
+
+def test_gguf_blocks_give_a_prompts_tokens_alone_in_a_chunked_batch_and_from_the_cache(smollm2_path):
+    """--quantization gguf: SmolLM2's own Q4_1 blocks through the portable low-bit kernel at every row count."""
+    options = dict(model=str(smollm2_path), dtype="bfloat16", quantization="gguf", batch_invariant=True,
+                   kv_cache_memory="64MiB")
+    with LLM(**options, enable_prefix_caching=False) as whole:
+        qkv = whole.engine.runner.model.layers[0].qkv
+        assert isinstance(qkv, RowInvariantLowBit)
+        x = torch.randn(9, qkv.in_features).to(torch.bfloat16)
+        assert torch.equal(qkv(x[4:5])[0], qkv(x)[4])  # one row as it is among nine
+        prompts = _prompts(whole, 7)
+        alone = _greedy(whole, prompts[6:7])[0]
+    with LLM(**options, max_num_batched_tokens=45, enable_prefix_caching=True) as chunked:
+        in_batch = _greedy(chunked, prompts)[6]  # cold, chunked by the 45-token budget, among 6 others
+        again = _greedy(chunked, prompts[6:7])[0]  # its prefix from the cache
+    assert in_batch == alone and again == alone
 
 
 @pytest.mark.slow
