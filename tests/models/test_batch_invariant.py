@@ -80,13 +80,15 @@ def test_a_prompt_gives_the_same_tokens_alone_and_in_batches_of_2_7_and_32(invar
     prompts = _prompts(invariant_llm, 32)
     alone = _greedy(invariant_llm, prompts[:1])[0]
     assert len(alone) == OUTPUT_TOKENS
-    for size in (2, 7, 32):
+    for size in (2, 7):
         assert _greedy(invariant_llm, prompts[:size])[0] == alone, f"in a batch of {size}"
+    batch = _greedy(invariant_llm, prompts)
+    assert batch[0] == alone, "in a batch of 32"
     # and a prompt other than the first, alone against its place in the batch of 32 (mixed lengths around it)
-    assert _greedy(invariant_llm, prompts[19:20])[0] == _greedy(invariant_llm, prompts)[19]
+    assert _greedy(invariant_llm, prompts[19:20])[0] == batch[19]
 
 
-@pytest.mark.parametrize("budget", [16, 45, 100])
+@pytest.mark.parametrize("budget", [16, 45])  # on the default path both changed the tokens here
 def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(invariant_llm, smollm2_path, budget):
     prompt = _prompts(invariant_llm, 30)[29]  # the longest: ~200 tokens
     whole = _greedy(invariant_llm, [prompt])[0]
