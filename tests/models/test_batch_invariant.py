@@ -118,6 +118,7 @@ def test_ngram_speculation_gives_the_tokens_of_plain_decoding(invariant_llm, smo
         assert spec.engine.spec.stats.accepted_tokens > 0  # drafts were verified and taken, not skipped
 
 
+@pytest.mark.slow  # two engines; make test is near its time limit (n-gram and prefix-cache cases stay)
 def test_draft_model_speculation_gives_the_tokens_of_plain_decoding(invariant_llm, smollm2_path):
     prompt = _prompts(invariant_llm, 30)[11]
     plain = _greedy(invariant_llm, [prompt])[0]
@@ -127,6 +128,7 @@ def test_draft_model_speculation_gives_the_tokens_of_plain_decoding(invariant_ll
         assert spec.engine.spec.stats.accepted_tokens > 0
 
 
+@pytest.mark.slow  # two engines; make test is near its time limit (n-gram and prefix-cache cases stay)
 def test_kv_handed_over_from_a_prefill_engine_gives_the_colocated_tokens(invariant_llm, smollm2_path):
     from kvyard.disagg.blocks import gather_blocks
 
