@@ -14,8 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvyard.bench import parallel, peers
-from kvyard.bench.openvino_peer import OpenVINOPeer
+from kvyard.bench import openvino_peer, parallel, peers
 from kvyard.bench.output import emit_json, machine_info
 from kvyard.bench.workload import Workload, random_workload
 from kvyard.cli.engine_args import add_engine_args, engine_config_from_args
@@ -77,9 +76,8 @@ def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
     return {"identical_share": identical / len(ours), "mean_common_prefix_tokens": statistics.mean(prefixes)}
 
 
-def _start_openvino(args: argparse.Namespace, cfg: EngineConfig, llm: LLM, notes: list[str]) -> dict[str, OpenVINOPeer]:
-    from kvyard.bench import openvino_peer
-
+def _start_openvino(args: argparse.Namespace, cfg: EngineConfig, llm: LLM,
+                    notes: list[str]) -> dict[str, openvino_peer.OpenVINOPeer]:
     if not openvino_peer.installed():
         notes.append("openvino skipped: needs `make openvino-peer`")
         return {}
@@ -88,6 +86,10 @@ def _start_openvino(args: argparse.Namespace, cfg: EngineConfig, llm: LLM, notes
     kv_gb = max(1, round(cfg.kv_cache_memory / 2**30))
     return {fmt: openvino_peer.OpenVINOPeer(path, torch.get_num_threads(), llm.engine.scheduler.token_budget, kv_gb)
             for fmt, path in dirs.items()}
+
+
+def _put_batch1(row: dict, system: str, figures: dict) -> None:
+    row[f"{system}.batch1.tok_s"], row[f"{system}.batch1.itl_ms"] = figures["output_tokens_per_s"], figures["itl_ms_p50"]
 
 
 def kvyard_batch1(llm: LLM, work: Workload) -> dict:
@@ -185,26 +187,19 @@ def run_offline_bench(args: argparse.Namespace) -> int:
             row["kvyard-tp1.batch.tok_s"] = tp1.run(kvyard_batch, work)
         if hf is not None:
             row["hf.batch.tok_s"] = work.output_tokens / hf.static_batch(work, pad)
-        b1 = kvyard_batch1(llm, single)
-        row["kvyard.batch1.tok_s"], row["kvyard.batch1.itl_ms"] = b1["output_tokens_per_s"], b1["itl_ms_p50"]
+        _put_batch1(row, "kvyard", kvyard_batch1(llm, single))
         if invariant is not None:
             row["kvyard-invariant.batch.tok_s"] = kvyard_batch(invariant, work)
-            b1 = kvyard_batch1(invariant, single)
-            row["kvyard-invariant.batch1.tok_s"], row["kvyard-invariant.batch1.itl_ms"] = (b1["output_tokens_per_s"],
-                                                                                            b1["itl_ms_p50"])
+            _put_batch1(row, "kvyard-invariant", kvyard_batch1(invariant, single))
         if tp1 is not None:
-            b1 = tp1.run(kvyard_batch1, single)
-            row["kvyard-tp1.batch1.tok_s"], row["kvyard-tp1.batch1.itl_ms"] = b1["output_tokens_per_s"], b1["itl_ms_p50"]
+            _put_batch1(row, "kvyard-tp1", tp1.run(kvyard_batch1, single))
         if hf is not None:
             row["hf.batch1.tok_s"] = single.output_tokens / hf.one_at_a_time(single, pad)
         if lcpp is not None:
-            lc = lcpp.batch1(single)
-            row["llama.cpp.batch1.tok_s"], row["llama.cpp.batch1.itl_ms"] = lc["output_tokens_per_s"], lc["itl_ms_p50"]
+            _put_batch1(row, "llama.cpp", lcpp.batch1(single))
         for fmt, peer in ov.items():
             row[f"openvino-{fmt}.batch.tok_s"] = work.output_tokens / peer.batch(work)[0]
-            b1 = peer.batch1(single)
-            row[f"openvino-{fmt}.batch1.tok_s"], row[f"openvino-{fmt}.batch1.itl_ms"] = (b1["output_tokens_per_s"],
-                                                                                        b1["itl_ms_p50"])
+            _put_batch1(row, f"openvino-{fmt}", peer.batch1(single))
         print(f"round {r + 1}/{args.repeats}: " + ", ".join(f"{k}={v:.1f}" for k, v in row.items()), file=sys.stderr)
         rounds.append(row)
     layout = None if tp1 is None else parallel.layout_report(llm, tp1, comm)

@@ -86,13 +86,13 @@ class AttentionMetadata:
         if self._invariant is None:
             parts = [(self.decode_blocks, self.decode_lens)] if self.num_decodes else []  # (table, lens) per part
             for span in self.prefills:
-                assert span.start == sum(t.shape[0] for t, _ in parts), "a step's tokens: decodes, then chunks"
                 chunk = span.end - span.start
                 slots = self.slot_mapping[span.start:span.end] if span.context_slots is None else span.context_slots
                 blocks = slots[:: self.block_size] // self.block_size  # a context starts at its first block's slot 0
                 lens = torch.arange(len(slots) - chunk + 1, len(slots) + 1, device=slots.device)
                 parts.append((blocks.expand(chunk, -1), lens))
             rows, width = sum(t.shape[0] for t, _ in parts), max(t.shape[1] for t, _ in parts)
+            assert rows == self.slot_mapping.shape[0], "a step's tokens: its decodes, then its chunks in order"
             table = torch.zeros(rows, width, dtype=torch.int64, device=self.slot_mapping.device)
             row = 0
             for t, _ in parts:

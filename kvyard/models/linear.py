@@ -111,11 +111,8 @@ class RowInvariantLowBit:
         self.in_features, self.out_features = inner.in_features, inner.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows, w = x.shape[0], self.inner
-        x = x if rows > 1 else x.expand(2, -1)
-        y = torch.ops.kvyard.lowbit_linear(w._pad_x(x).contiguous(), w.q, w.scale, w.zero, w.bits, w.group_size,
-                                           w.out_features)
-        return y[:rows]
+        rows = x.shape[0]
+        return self.inner.kernel(x if rows > 1 else x.expand(2, -1))[:rows]
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.inner.dequantize(dtype)

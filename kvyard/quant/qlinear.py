@@ -313,9 +313,13 @@ class PlainLowBitLinear(_ScaledCodes, _PaddedInput):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= KERNEL_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
-            return torch.ops.kvyard.lowbit_linear(self._pad_x(x).contiguous(), self.q, self.scale, self.zero,
-                                                  self.bits, self.group_size, self.out_features)
+            return self.kernel(x)
         return dequantized_linear(self, x)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """x . W^T by kvyard's portable kernel, at any row count."""
+        return torch.ops.kvyard.lowbit_linear(self._pad_x(x).contiguous(), self.q, self.scale, self.zero, self.bits,
+                                              self.group_size, self.out_features)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         w = torch.ops.kvyard.lowbit_dequantize(self.q, self.scale, self.zero, self.bits, self.group_size)
