@@ -121,6 +121,10 @@ class EngineConfig:
     # result depends only on its own context, not on the batch, the chunking, the prefix cache or speculation.
     # Dense bf16 weights and the portable low-bit kernel's on CPU, one process; _check_batch_invariant refuses the rest.
     batch_invariant: bool = False
+    # Low-bit weights' several-row matmuls (decode batches, prefill chunks) with the activations rounded to int8
+    # per run of 32 values, in integer dot products (csrc/lowbit_int8_act.cpp, AVX2): a numerics change, so off
+    # unless asked for; its KL against the fp32 model is in BENCHMARKS.md. One row keeps its exact-as-bf16 kernel.
+    dynamic_quant: bool = False
     ngram_min: int = 1  # prompt lookup matches the last n tokens, n from ngram_max down to ngram_min
     ngram_max: int = 4
 
@@ -164,6 +168,7 @@ class EngineConfig:
                                       param="max_itl_ms")
         self._check_speculative()
         self._check_batch_invariant()
+        self._check_dynamic_quant()
 
     def _check_batch_invariant(self) -> None:
         """The batch-invariant path covers what its kernels cover; anything else is refused rather than served
@@ -182,6 +187,19 @@ class EngineConfig:
         for refused, what in unsupported:
             if refused:
                 raise InvalidRequestError(f"batch_invariant does not cover {what}", param="batch_invariant")
+
+    def _check_dynamic_quant(self) -> None:
+        if not self.dynamic_quant:
+            return
+        unsupported = [
+            (self.dtype != torch.bfloat16, f"dtype {str(self.dtype).removeprefix('torch.')} (it rounds bf16 "
+                                           "activations; fp32 stays exact)"),
+            (self.device != "cpu", f"device {self.device} (its kernel is kvyard's AVX2 CPU kernel)"),
+            (self.batch_invariant, "batch_invariant (which promises outputs exact as bf16)"),
+        ]
+        for refused, what in unsupported:
+            if refused:
+                raise InvalidRequestError(f"dynamic_quant does not cover {what}", param="dynamic_quant")
 
     @property
     def token_budget(self) -> int:

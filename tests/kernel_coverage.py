@@ -41,6 +41,8 @@ def kernel_paths() -> list[tuple[str, Callable[[], bool]]]:
          lambda: cpu.available() and "avx512f" in flags),
         ("kvyard few-row bf16 and portable low-bit, AVX2 build (widened_rows.h)",
          lambda: cpu.available() and "avx2" in flags and "avx512f" not in flags),
+        ("kvyard int8-activation low-bit, AVX2 integer dots (lowbit_linear_i8, --dynamic-quant)",
+         cpu.int8_act_available),
         ("kvyard C++ kernels at all (attention, norms, decode stack)", cpu.available),
     ]
 

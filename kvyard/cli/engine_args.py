@@ -31,6 +31,8 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts across steps",
     "batch_invariant": "bf16 outputs that depend only on each request's own tokens, never on the batch, the chunking, "
                        "the prefix cache or speculation (kvyard's portable kernels at every size: slower; see README)",
+    "dynamic_quant": "low-bit weights' batched matmuls with activations rounded to int8 per 32 values, in integer "
+                     "dot products (AVX2; faster, not exact; see README)",
     "max_itl_ms": "inter-token target while requests decode: a step takes only the prompt tokens that fit it "
                   "(default: twice a full batch of decodes, by the measured step cost; 0: off)",
     "enable_prefix_caching": "reuse the KV cache of prompt prefixes seen before",

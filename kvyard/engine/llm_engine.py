@@ -142,7 +142,9 @@ class LLMEngine:
         else:
             model = TensorParallelDecoder(ckpt.config, group, cfg.dtype, device, **sizes, expert_placement=placement)
         model.batch_invariant = cfg.batch_invariant  # before load: it decides the weights' resident form
+        model.dynamic_quant = cfg.dynamic_quant
         model.load(self._weights(ckpt), str(path))
+        self._refuse_idle_dynamic_quant(model)
         self.lora = self._lora_adapters(model)
         if cfg.kv_cache_dtype == "int8":
             smooth_keys(model, self.tokenizer, max_len=min(256, self.max_model_len))
@@ -276,6 +278,13 @@ class LLMEngine:
                 "latent attention" if model.kv_lora_rank else None)
         if kind is not None:
             raise ConfigError(f"batch_invariant does not cover {model.model_type}'s {kind} yet", param="batch_invariant")
+
+    def _refuse_idle_dynamic_quant(self, model: Any) -> None:
+        """--dynamic-quant acts on low-bit weights only; on a model without any it would silently do nothing."""
+        if self.cfg.dynamic_quant and not any(getattr(w, "int8_activations", False)
+                                              for layer in model.layers for w in vars(layer).values()):
+            raise ConfigError("dynamic_quant acts on low-bit weights, and this model has none: set quantization "
+                              "(or load a quantized checkpoint)", param="dynamic_quant")
 
     def _refuse_with_parallelism(self, model: "ModelConfig") -> None:
         cfg = self.cfg

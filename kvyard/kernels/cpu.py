@@ -20,8 +20,9 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "norm_act.cpp", _CSRC / "rope_kv.cpp", _CSRC / "amx_linear.cpp",
             _CSRC / "amx_lowbit.cpp", _CSRC / "lowbit_linear.cpp", _CSRC / "linear_bf16.cpp",
             _CSRC / "dpbf16_linear.cpp", _CSRC / "vnni_lowbit.cpp", _CSRC / "decode_stack.cpp",
-            _CSRC / "lora.cpp"]
-_HEADERS = [_CSRC / "vec.h", _CSRC / "amx.h", _CSRC / "widened_rows.h", _CSRC / "ops.h", _CSRC / "vnni_blocks.h"]
+            _CSRC / "lora.cpp", _CSRC / "lowbit_int8_act.cpp"]
+_HEADERS = [_CSRC / "vec.h", _CSRC / "amx.h", _CSRC / "widened_rows.h", _CSRC / "ops.h", _CSRC / "vnni_blocks.h",
+            _CSRC / "lowbit_layout.h"]
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 
@@ -52,6 +53,12 @@ def vnni_lowbit_available() -> bool:
     return available() and bool(torch.ops.kvyard.vnni_lowbit_available())
 
 
+def int8_act_available() -> bool:
+    """True when torch.ops.kvyard.lowbit_linear_i8 (low-bit weights against int8-rounded activations) runs here:
+    the kernels are loaded and were compiled for a CPU with AVX2 and FMA."""
+    return available() and bool(torch.ops.kvyard.lowbit_int8_act_available())
+
+
 def decode_stack_enabled() -> bool:
     """Whether decode steps may run their layers in one C++ call (kvyard/models/decode_stack.py);
     KVYARD_DECODE_STACK=0 keeps the layer-by-layer path."""
@@ -71,7 +78,7 @@ def dpbf16_available() -> bool:
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-ffp-contract=off"]
 _OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_write_kv_", "amx_linear",
         "amx_linear_lowbit", "lowbit_linear", "lowbit_dequantize", "linear_bf16", "dpbf16_linear",
-        "dpbf16_linear_f32", "vnni_lowbit_linear")
+        "dpbf16_linear_f32", "vnni_lowbit_linear", "lowbit_linear_i8")
 
 
 # A build takes about 40 s here. torch's build lock is a bare file that a killed build leaves behind, and

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 # fp32 GEMM past FEW_ROWS), so the stack and the layer-by-layer path agree exactly.
 FUSED_MAX_ROWS = linear_mod.FEW_ROWS
 # csrc/decode_stack.cpp's Kind
-DPBF16, AMX, LOW_BIT, AMX_LOW_BIT, LINEAR_BF16, DENSE, VNNI_LOW_BIT = range(7)
+DPBF16, AMX, LOW_BIT, AMX_LOW_BIT, LINEAR_BF16, DENSE, VNNI_LOW_BIT, LOW_BIT_I8 = range(8)
 
 STACK_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # csrc/decode_stack.cpp's Layer::lora order
 # kind, (weight, scale, zero, bias, outlier_cols, outliers), (bits, group, out_features, k_pad)
@@ -44,7 +44,7 @@ def linear_spec(w: Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> Lin
     if isinstance(w, RowInvariantWeight):  # the batch-invariant path: the same kernel as the layer-by-layer one
         return LINEAR_BF16, [w.weight, None, None, bias, None, None], none
     if isinstance(w, PlainLowBitLinear):
-        return LOW_BIT, [w.q, w.scale, w.zero, bias, None, None], [w.bits, w.group_size, w.out_features, w.k_pad]
+        return (LOW_BIT_I8 if w.int8_activations else LOW_BIT), [w.q, w.scale, w.zero, bias, None, None], [w.bits, w.group_size, w.out_features, w.k_pad]
     if isinstance(w, VnniLowBitLinear) and dtype == torch.bfloat16:
         kind = AMX_LOW_BIT if cpu_kernels.amx_available() else VNNI_LOW_BIT
         return kind, [w.q, w.scale, w.zero, bias, w.outlier_cols, w.outliers], [w.bits, w.group_size, w.out_features, 0]

@@ -114,6 +114,9 @@ class DecoderModel:
         # Set before `load` for --batch-invariant: weights kept plain for one kernel at every row count, and every
         # token's attention taken by the decode kernel, so a row's result depends on nothing but its own context.
         self.batch_invariant = False
+        # Set before `load` for --dynamic-quant: low-bit weights in the portable layout, their several-row matmuls
+        # on int8-rounded activations (kvyard/quant/qlinear.py PlainLowBitLinear).
+        self.dynamic_quant = False
 
     # ---- loading -------------------------------------------------------------------------------------
 
@@ -125,7 +128,7 @@ class DecoderModel:
         if not all(isinstance(p, QuantizedTensor) for p in parts):
             raise CheckpointError(f"{source}: fused projections mix quantized and dense weights")
         return make_linear(QuantizedTensor.cat(parts), self.dtype, self.device,  # type: ignore[arg-type]
-                           portable=self.batch_invariant)
+                           portable=self.batch_invariant, int8_activations=self.dynamic_quant)
 
     def _qk_norm(self, q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvyard.errors import ConfigError
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.kernels import fp32_gemm, vnni
 from kvyard.quant.qtensor import QuantizedTensor
@@ -281,10 +282,14 @@ class PlainLowBitLinear(_ScaledCodes, _PaddedInput):
     then cut into chunks of 32 bytes with each block of four rows interleaved chunk by chunk (the kernel reads
     a block's rows together, as one stream). Rows are padded to whole blocks and K to whole chunks with zero
     codes; scales and zero terms [N, groups] fp32, padded alike. Prefill-sized calls dequantize and take the
-    dense GEMM."""
+    dense GEMM.
 
-    def __init__(self, qt: QuantizedTensor):
+    `int8_activations` (--dynamic-quant): bf16 calls of two rows or more, prefill included, round x to int8 per run
+    of 32 values and take integer dot products (csrc/lowbit_int8_act.cpp); one row keeps the kernel above."""
+
+    def __init__(self, qt: QuantizedTensor, int8_activations: bool = False):
         self.out_features, self.in_features = n, k = qt.shape
+        self.int8_activations = int8_activations
         self.bits = qt.scheme.bits
         chunk_values = _CHUNK_BYTES * 8 // self.bits
         self.k_pad = -(-k // chunk_values) * chunk_values
@@ -312,29 +317,37 @@ class PlainLowBitLinear(_ScaledCodes, _PaddedInput):
                 and (qt.scheme.bits == 8 or qt.group_size % _INT4_RUN == 0) and cpu_kernels.available())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= KERNEL_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+        if self._int8_rows(x) or (x.shape[0] <= KERNEL_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)):
             return self.kernel(x)
         return dequantized_linear(self, x)
 
+    def _int8_rows(self, x: torch.Tensor) -> bool:
+        return self.int8_activations and x.dtype == torch.bfloat16 and x.shape[0] > 1
+
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """x . W^T by kvyard's portable kernel, at any row count."""
-        return torch.ops.kvyard.lowbit_linear(self._pad_x(x).contiguous(), self.q, self.scale, self.zero, self.bits,
-                                              self.group_size, self.out_features)
+        """x . W^T by kvyard's portable kernel, at any row count (with int8 activations where asked for)."""
+        op = torch.ops.kvyard.lowbit_linear_i8 if self._int8_rows(x) else torch.ops.kvyard.lowbit_linear
+        return op(self._pad_x(x).contiguous(), self.q, self.scale, self.zero, self.bits, self.group_size,
+                  self.out_features)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         w = torch.ops.kvyard.lowbit_dequantize(self.q, self.scale, self.zero, self.bits, self.group_size)
         return w[: self.out_features, : self.in_features].to(dtype)
 
 
-def make_linear(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device,
-                portable: bool = False) -> QuantizedLinear:
+def make_linear(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device, portable: bool = False,
+                int8_activations: bool = False) -> QuantizedLinear:
     """The fastest low-bit form here: kvyard's VNNI blocks (AMX or AVX-512 kernel), else its portable kernel, else
-    PyTorch's own. `portable`: the portable kernel even where VNNI blocks would run (the batch-invariant path)."""
+    PyTorch's own. `portable`: the portable kernel even where VNNI blocks would run (the batch-invariant path).
+    `int8_activations` (--dynamic-quant): the portable kernel with int8-rounded activations, on every CPU kind alike."""
     inner: QuantizedLinear
-    if not portable and VnniLowBitLinear.fits(qt, dtype, device):
+    if int8_activations and not (dtype == torch.bfloat16 and cpu_kernels.int8_act_available()):
+        raise ConfigError("dynamic_quant needs bf16 and kvyard's AVX2 kernels, which this CPU or build lacks",
+                          param="dynamic_quant")
+    if not (portable or int8_activations) and VnniLowBitLinear.fits(qt, dtype, device):
         return VnniLowBitLinear(qt)  # both of its kernels add outlier columns themselves
     if PlainLowBitLinear.fits(qt, dtype, device):
-        inner = PlainLowBitLinear(qt)
+        inner = PlainLowBitLinear(qt, int8_activations)
     else:
         inner = Int8Linear(qt, dtype, device) if qt.scheme.bits == 8 else Int4Linear(qt, dtype, device)
     return inner if qt.outliers is None else OutlierColumns(inner, qt.outlier_cols, qt.outliers)  # type: ignore[arg-type]

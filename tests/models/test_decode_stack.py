@@ -131,3 +131,19 @@ def test_lora_rows_run_in_the_stack_bit_identically(tiny_checkpoint, tmp_path, m
                          for o in outs]
     assert any(calls)  # the stack ran steps with adapter rows
     assert results["1"] == results["0"]
+
+
+@pytest.mark.skipif(not cpu_kernels.int8_act_available(), reason="kvyard's AVX2 kernels are not built here")
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32-asym"])
+def test_dynamic_quant_takes_the_same_int8_kernel(tiny_checkpoint, tmp_path, monkeypatch, scheme):
+    """--dynamic-quant: the stack rounds a step's rows to int8 with the layer path's kernel, so steps agree bit for
+    bit; one row keeps the exact kernel in both."""
+    out = tmp_path / scheme
+    quantize_model(QuantizeOptions(model=str(tiny_checkpoint("qwen2")), scheme=scheme, out=out, dtype="float32",
+                                   progress=False, max_seq_len=64, sensitivity=False, tool_eval=False,
+                                   scaling="none"))
+    r = _runs(out, monkeypatch, dtype="bfloat16", dynamic_quant=True)
+    assert r["used"]
+    assert r["stack"] == r["layers"]
+    plain = _runs(out, monkeypatch, dtype="bfloat16")
+    assert plain["stack"] != r["stack"]  # the switch changes the numbers: it did reach the kernels

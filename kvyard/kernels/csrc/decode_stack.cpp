@@ -23,7 +23,8 @@ using OptTensor = std::optional<at::Tensor>;
 namespace ops = kvyard::ops;
 
 // How one weight is multiplied (the numbering is kvyard/models/decode_stack.py's KINDS).
-enum Kind : int64_t { kDpbf16 = 0, kAmx = 1, kLowBit = 2, kAmxLowBit = 3, kLinearBf16 = 4, kDense = 5, kVnniLowBit = 6 };
+enum Kind : int64_t { kDpbf16 = 0, kAmx = 1, kLowBit = 2, kAmxLowBit = 3, kLinearBf16 = 4, kDense = 5, kVnniLowBit = 6,
+            kLowBitI8 = 7 };
 
 struct Linear {
   Kind kind;
@@ -39,9 +40,12 @@ struct Linear {
       case kDpbf16: return ops::dpbf16_linear(x, w, bias);
       case kAmx: return ops::amx_linear(x, w, bias);
       case kDense: return at::linear(x, w, bias);
-      case kLowBit: {
-        const at::Tensor padded = x.size(1) == k_pad ? x : at::constant_pad_nd(x, {0, k_pad - x.size(1)});
-        y = ops::lowbit_linear(padded.contiguous(), w, *scale, zero, bits, group, out_features);
+      case kLowBit:
+      case kLowBitI8: {  // PlainLowBitLinear.kernel: int8 activations (--dynamic-quant) for two bf16 rows or more
+        const at::Tensor padded = (x.size(1) == k_pad ? x : at::constant_pad_nd(x, {0, k_pad - x.size(1)})).contiguous();
+        const bool int8_rows = kind == kLowBitI8 && x.size(0) > 1 && x.scalar_type() == at::kBFloat16;
+        y = int8_rows ? ops::lowbit_linear_i8(padded, w, *scale, zero, bits, group, out_features)
+                      : ops::lowbit_linear(padded, w, *scale, zero, bits, group, out_features);
         break;
       }
       case kAmxLowBit: y = ops::amx_linear_lowbit(x, w, *scale, zero, bits, group, outlier_cols, outliers); break;
@@ -87,7 +91,7 @@ class DecodeStack : public torch::CustomClassHolder {
     Linear lin[4];
     for (size_t i = 0; i < 4; ++i) {
       const OptTensor w = tensors.get(6 * i);
-      TORCH_CHECK(w.has_value() && kinds[i] >= kDpbf16 && kinds[i] <= kVnniLowBit, "weight ", i, " has no kernel");
+      TORCH_CHECK(w.has_value() && kinds[i] >= kDpbf16 && kinds[i] <= kLowBitI8, "weight ", i, " has no kernel");
       lin[i] = Linear{static_cast<Kind>(kinds[i]), *w, tensors.get(6 * i + 1), tensors.get(6 * i + 2),
                       tensors.get(6 * i + 3), tensors.get(6 * i + 4), tensors.get(6 * i + 5),
                       ints[4 * i], ints[4 * i + 1], ints[4 * i + 2], ints[4 * i + 3]};

@@ -24,14 +24,13 @@
 
 #include "ops.h"
 #include "vec.h"
+#include "lowbit_layout.h"
 #include "widened_rows.h"
 
 namespace {
 
 using namespace kvyard;
 
-constexpr int64_t kInt4Run = 32;  // values per nibble run in the int4 layout, and per step of widen_row
-constexpr int64_t kChunkBytes = 32;  // bytes of one row in each chunk of the interleaved layout
 
 // One row of the weight as fp32, exactly (q - zp) * scale = q * scale + zero, into `w` [k]. Its chunks lie
 // kBlockRows * kChunkBytes bytes apart from `first` (its first one), interleaved with its block's other rows.
@@ -219,28 +218,6 @@ void gemv_rows(const float* x, const uint8_t* q, const float* scale, const float
   });
 }
 #endif
-
-// A weight's dimensions, checked against the layout: n and k padded (rows to blocks of 4, k to chunks).
-struct LowBitDims {
-  int64_t n, k, groups, row_bytes;
-};
-
-LowBitDims check_layout(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& zero,
-                        int64_t bits, int64_t group_size) {
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
-              "q must be int8 [out, in] (uint8 [out, in/2] for int4)");
-  const int64_t n = q.size(0), row_bytes = q.size(1), k = row_bytes * 8 / bits;
-  TORCH_CHECK(n % kBlockRows == 0 && row_bytes % kChunkBytes == 0, "q must be padded to blocks of ", kBlockRows,
-              " rows and chunks of ", kChunkBytes, " bytes, got ", n, " x ", row_bytes);
-  TORCH_CHECK(group_size > 0 && group_size % kInt4Run == 0, "groups must be whole runs of 32 values, got ", group_size);
-  const int64_t groups = (k + group_size - 1) / group_size;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.sizes() == at::IntArrayRef({n, groups}),
-              "scale must be float32 [out, groups] = [", n, ", ", groups, "]");
-  if (zero) TORCH_CHECK(zero->sizes() == scale.sizes() && zero->scalar_type() == at::kFloat && zero->is_contiguous(),
-                        "zero must match scale");
-  return {n, k, groups, row_bytes};
-}
 
 // Row `row` of the weight widened to fp32 into `w` [k].
 void widen_weight_row(const uint8_t* q, const float* scale, const float* zero, int64_t bits, int64_t group,

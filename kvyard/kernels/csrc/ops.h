@@ -24,6 +24,8 @@ at::Tensor vnni_lowbit_linear_ex(const at::Tensor& x, const at::Tensor& q, const
                                  bool prefetch);
 at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                          const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size, int64_t out_features);
+at::Tensor lowbit_linear_i8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                            const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size, int64_t out_features);
 at::Tensor lowbit_dequantize(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& zero,
                              int64_t bits, int64_t group_size);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w);
