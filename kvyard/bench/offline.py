@@ -43,6 +43,8 @@ def add_offline_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "a quantized kvyard directory")
     p.add_argument("--compare-batch-invariant", action="store_true",
                    help="also time the same engine with --batch-invariant, in the same rounds (its cost)")
+    p.add_argument("--compare-dynamic-quant", action="store_true",
+                   help="also time the same engine with --dynamic-quant (int8 activations), in the same rounds")
     p.add_argument("--json-out", default=None)
     add_engine_args(p)
     p.set_defaults(func=run_offline_bench)
@@ -121,11 +123,14 @@ def _ratios(rounds: list[dict], med: dict) -> dict:
         "batch1_throughput_vs_tp1": ("kvyard.batch1.tok_s", "kvyard-tp1.batch1.tok_s"),
         "batch_invariant_batch_throughput": ("kvyard-invariant.batch.tok_s", "kvyard.batch.tok_s"),
         "batch_invariant_batch1_itl": ("kvyard-invariant.batch1.itl_ms", "kvyard.batch1.itl_ms"),
+        "dynamic_quant_batch_throughput": ("kvyard-dynamic-quant.batch.tok_s", "kvyard.batch.tok_s"),
+        "dynamic_quant_batch1_itl": ("kvyard-dynamic-quant.batch1.itl_ms", "kvyard.batch1.itl_ms"),
     }
     for peer in sorted({k.split(".")[0] for k in med if k.startswith("openvino-")}):
         fmt = peer.removeprefix("openvino-")
-        pairs[f"batch_throughput_vs_openvino_{fmt}"] = ("kvyard.batch.tok_s", f"{peer}.batch.tok_s")
-        pairs[f"batch1_throughput_vs_openvino_{fmt}"] = ("kvyard.batch1.tok_s", f"{peer}.batch1.tok_s")
+        for ours, prefix in (("kvyard", ""), ("kvyard-dynamic-quant", "dynamic_quant_")):
+            pairs[f"{prefix}batch_throughput_vs_openvino_{fmt}"] = (f"{ours}.batch.tok_s", f"{peer}.batch.tok_s")
+            pairs[f"{prefix}batch1_throughput_vs_openvino_{fmt}"] = (f"{ours}.batch1.tok_s", f"{peer}.batch1.tok_s")
     out = {}
     for name, (a, b) in pairs.items():
         if a in med and b in med:
@@ -165,14 +170,18 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         else:
             notes.append("llama.cpp skipped: needs llama-cpp-python (`make peers`) and a GGUF file (--llama-cpp-gguf)")
     ov = _start_openvino(args, cfg, llm, notes) if "openvino" in wanted else {}
-    invariant = LLM(config=dataclasses.replace(cfg, batch_invariant=True)) if args.compare_batch_invariant else None
+    # The same engine with one switch flipped, timed in the same rounds: what the switch costs or gains
+    variants = {name: LLM(config=dataclasses.replace(cfg, **{field: True}))
+                for name, field, wanted in (("kvyard-invariant", "batch_invariant", args.compare_batch_invariant),
+                                            ("kvyard-dynamic-quant", "dynamic_quant", args.compare_dynamic_quant))
+                if wanted}
     # Warm-up at full size, so one-time costs (kernel setup per shape, allocator growth) hit no round; its
     # outputs show how far each peer's greedy text agrees with kvyard's.
     warm, _ = workload(seed=args.repeats + 1)
     warm_ids = kvyard_token_ids(llm, warm)
     agreement = {f"openvino-{fmt}": greedy_agreement(warm_ids, peer.batch(warm)[1]) for fmt, peer in ov.items()}
-    if invariant is not None:
-        agreement["kvyard-invariant"] = greedy_agreement(warm_ids, kvyard_token_ids(invariant, warm))
+    for name, variant in variants.items():
+        agreement[name] = greedy_agreement(warm_ids, kvyard_token_ids(variant, warm))
     if tp1 is not None:
         tp1.run(kvyard_batch, warm)
     if hf is not None:
@@ -188,9 +197,9 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         if hf is not None:
             row["hf.batch.tok_s"] = work.output_tokens / hf.static_batch(work, pad)
         _put_batch1(row, "kvyard", kvyard_batch1(llm, single))
-        if invariant is not None:
-            row["kvyard-invariant.batch.tok_s"] = kvyard_batch(invariant, work)
-            _put_batch1(row, "kvyard-invariant", kvyard_batch1(invariant, single))
+        for name, variant in variants.items():
+            row[f"{name}.batch.tok_s"] = kvyard_batch(variant, work)
+            _put_batch1(row, name, kvyard_batch1(variant, single))
         if tp1 is not None:
             _put_batch1(row, "kvyard-tp1", tp1.run(kvyard_batch1, single))
         if hf is not None:

@@ -37,11 +37,13 @@ from kvyard.quant.tool import (
     load_reference,
     quantize_model,
     saved_fidelity,
+    served_fidelity,
     source_fidelity,
 )
 from kvyard.sampling_params import SamplingParams
 
 KV_INT8 = "kv-int8"  # not a weight scheme: dense weights with the int8 KV cache
+DYNAMIC_SUFFIX = "+dynamic-quant"  # a low-bit scheme served with --dynamic-quant (int8 activations)
 
 
 def add_quant_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,6 +62,8 @@ def add_quant_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--outlier-columns", type=float, default=0.0,
                    help="as for kvyard quantize: share of each layer's input columns kept in full precision")
     add_head_scheme_arg(p)
+    p.add_argument("--dynamic-quant", action="store_true",
+                   help="also each low-bit scheme with int8 activations (--dynamic-quant): its KL and speed")
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per measurement")
@@ -139,6 +143,7 @@ def run_quant_bench(args: argparse.Namespace) -> int:
     model_path = resolve_model(args.model)
     out_root = Path(args.out_dir or tempfile.mkdtemp(prefix="kvyard-quant-"))
     fidelity: dict[str, dict] = {}
+    dynamic: set[str] = set()  # the --dynamic-quant twins of the low-bit schemes
     base = str(parse_dtype(args.dtype)).removeprefix("torch.")  # the unquantized model, e.g. bfloat16
     paths: dict[str, str] = {base: str(model_path)}
     protect = DEFAULT_PROTECT if args.protect is None else tuple(p for p in args.protect.split(",") if p)
@@ -167,11 +172,21 @@ def run_quant_bench(args: argparse.Namespace) -> int:
             fidelity[scheme] = {**_fidelity_row(r), **_fp32_row(f32), "quantize_s": time.perf_counter() - t0}
             paths[scheme] = str(out_root / scheme)
         print(f"{scheme}: {json.dumps(fidelity[scheme])}", file=sys.stderr)
+        if args.dynamic_quant and scheme != KV_INT8:
+            twin = f"{scheme}{DYNAMIC_SUFFIX}"
+            dynamic.add(twin)
+            paths[twin], kv_dtypes[twin] = paths[scheme], "auto"
+            f = (served_fidelity(fp32_source, measure_dtype, KEEP_GGUF, False, dynamic_quant=True)
+                 if scheme == KEEP_GGUF else
+                 saved_fidelity(fp32_source, paths[scheme], dynamic_quant=True, dtype=measure_dtype))
+            fidelity[twin] = _source_row(f)
+            print(f"{twin}: {json.dumps(fidelity[twin])}", file=sys.stderr)
     del fp32_source  # float32 weights and their model: more memory than the timed engines (Qwen2.5-Coder-1.5B)
     gc.collect()
     engines = {name: LLM(config=EngineConfig(model=p, dtype=args.dtype, kv_cache_memory="1GiB",
-                                             kv_cache_dtype=kv_dtypes[name],
-                                             quantization=KEEP_GGUF if name == KEEP_GGUF else None))
+                                             kv_cache_dtype=kv_dtypes[name], dynamic_quant=name in dynamic,
+                                             quantization=KEEP_GGUF if name.removesuffix(DYNAMIC_SUFFIX) == KEEP_GGUF
+                                             else None))
                for name, p in paths.items()}
     rounds = []
     for r in range(args.repeats):
@@ -189,6 +204,9 @@ def run_quant_bench(args: argparse.Namespace) -> int:
             if name != base:
                 entry[f"speedup_b{b}"] = med[f"{name}.b{b}"] / med[f"{base}.b{b}"]
                 entry[f"speedup_b{b}_per_round"] = [round(rd[f"{name}.b{b}"] / rd[f"{base}.b{b}"], 3) for rd in rounds]
+            if name in dynamic:  # against the same weights without int8 activations
+                plain = name.removesuffix(DYNAMIC_SUFFIX)
+                entry[f"dynamic_quant_speedup_b{b}"] = med[f"{name}.b{b}"] / med[f"{plain}.b{b}"]
         table[name] = entry
     result = {
         "model": model_path.name, "dtype": args.dtype, "fidelity_dtype": measure_dtype, "rounding": args.rounding,

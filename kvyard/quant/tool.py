@@ -152,9 +152,11 @@ def load_reference(opts: QuantizeOptions) -> Reference:
 
 
 def _dense_model(ckpt: Checkpoint, tensors: dict[str, torch.Tensor] | TensorStream,
-                 opts: QuantizeOptions) -> DecoderModel:
-    """`tensors`: a dict, or a checkpoint's stream (read as the model loads, never all at once in float32)."""
+                 opts: QuantizeOptions, dynamic_quant: bool = False) -> DecoderModel:
+    """`tensors`: a dict, or a checkpoint's stream (read as the model loads, never all at once in float32).
+    `dynamic_quant`: low-bit weights meet int8-rounded activations, as an engine with --dynamic-quant runs them."""
     model = build_model(ckpt.config, parse_dtype(opts.dtype), torch.device("cpu"), max_positions=opts.max_seq_len + 1)
+    model.dynamic_quant = dynamic_quant
     model.load(tensors.items() if isinstance(tensors, dict) else tensors(), str(ckpt.path))
     return model
 
@@ -246,12 +248,13 @@ def quantize_members(ref: Reference, units: list[Unit], schemes: dict[str, Weigh
     return sequential_gptq(ref.model, units, ref.calib.sequences if sequences is None else sequences, quantize_unit)
 
 
-def saved_fidelity(ref: Reference, quantized: str | Path) -> Fidelity:
+def saved_fidelity(ref: Reference, quantized: str | Path, dynamic_quant: bool = False,
+                   dtype: str | None = None) -> Fidelity:
     """Measure a saved quantized directory from scratch against `ref` (its source, from load_reference), in
     ref's dtype. In float32 this is the weights' rounding alone; in bfloat16 each side also rounds its
     activations, and two different kernels round differently, which adds KL no weight format can remove."""
     ckpt = load_checkpoint(resolve_model(str(quantized)))
-    model = _dense_model(ckpt, ckpt.tensors, ref.opts)
+    model = _dense_model(ckpt, ckpt.tensors, replace(ref.opts, dtype=dtype or ref.opts.dtype), dynamic_quant)
     with torch.inference_mode():
         return ref.meter.measure(model)
 
@@ -277,12 +280,13 @@ def kv_cache_fidelity(ref: Reference) -> Fidelity:
         return ref.meter.measure(ref.model, kv_int8=True)
 
 
-def served_fidelity(ref: Reference, dtype: str, quantization: str | None, kv_int8: bool) -> Fidelity:
-    """The model as an engine serves it (`dtype`, `--quantization`, `--kv-cache-dtype int8`: its weights loaded
-    as kvyard.quant.plan.served_tensors loads them, its keys smoothed as the engine smooths them) against `ref`:
-    what `kvyard tune`'s fidelity gate holds each candidate that changes numerics to."""
+def served_fidelity(ref: Reference, dtype: str, quantization: str | None, kv_int8: bool,
+                    dynamic_quant: bool = False) -> Fidelity:
+    """The model as an engine serves it (`dtype`, `--quantization`, `--kv-cache-dtype int8`, `--dynamic-quant`: its
+    weights loaded as kvyard.quant.plan.served_tensors loads them, its keys smoothed as the engine smooths them)
+    against `ref`: what `kvyard tune`'s fidelity gate holds each candidate that changes numerics to."""
     model = _dense_model(ref.ckpt, lambda: served_tensors(ref.ckpt, quantization),  # type: ignore[arg-type]
-                         replace(ref.opts, dtype=dtype))
+                         replace(ref.opts, dtype=dtype), dynamic_quant)
     if kv_int8:
         smooth_keys(model, ref.ckpt.tokenizer, ref.opts.max_seq_len)
     with torch.inference_mode():

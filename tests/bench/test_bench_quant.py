@@ -59,3 +59,28 @@ def test_bench_quant_gguf_keeps_the_files_blocks(tmp_path):
     assert row["weight_bytes"] < 0.75 * table["bfloat16"]["weight_bytes"] and row["decode_tok_s_b1"] > 0
     # in bf16 both ways of serving the file are measured against it: each rounds its activations
     assert row["kl_mean"] > 0 and table["bfloat16"]["kl_mean"] > 0
+
+
+def test_bench_quant_dynamic_quant_twins(tmp_path):
+    """--dynamic-quant adds each low-bit scheme served with int8 activations: its own KL (above the same weights'
+    in bf16, since it rounds x further) and speed, beside its plain twin."""
+    from kvyard.kernels import cpu as cpu_kernels
+    from tests.loader.tiny_gguf import Q, write_tiny_gguf
+    from tests.tiny import make_tiny_checkpoint
+
+    if not cpu_kernels.int8_act_available():
+        import pytest
+        pytest.skip("kvyard's AVX2 kernels are not built here")
+    gguf = write_tiny_gguf(make_tiny_checkpoint(tmp_path / "hf", "llama"), tmp_path / "q4.gguf", Q.Q4_1)
+    out = tmp_path / "quant.json"
+    rc = main(["bench", "quant", "--model", str(gguf), "--schemes", "gguf,int8", "--dynamic-quant",
+               "--batch-sizes", "1,4", "--input-len", "8", "--decode-steps", "2", "--repeats", "1",
+               "--json-out", str(out), "--out-dir", str(tmp_path / "ckpts")])
+    assert rc == 0
+    table = json.loads(out.read_text())["schemes"]
+    assert set(table) == {"bfloat16", "gguf", "gguf+dynamic-quant", "int8", "int8+dynamic-quant"}
+    for name in ("gguf", "int8"):
+        twin = table[f"{name}+dynamic-quant"]
+        assert twin["kl_mean"] > 0 and twin["decode_tok_s_b4"] > 0 and twin["dynamic_quant_speedup_b4"] > 0
+        assert twin["weight_bytes"] == table[name]["weight_bytes"]
+    assert table["gguf+dynamic-quant"]["kl_mean"] > table["gguf"]["kl_mean"]

@@ -151,3 +151,12 @@ def test_ratios_pair_kvyard_with_each_openvino_format():
     ratios = offline._ratios(rounds, rounds[0])
     assert ratios["batch_throughput_vs_openvino_int4"]["median"] == pytest.approx(1.2)
     assert ratios["batch1_throughput_vs_openvino_int4"]["per_round"] == [1.5]
+
+
+def test_ratios_pair_the_dynamic_quant_variant_with_kvyard_and_openvino():
+    rounds = [{"kvyard.batch.tok_s": 300.0, "kvyard.batch1.itl_ms": 10.0, "kvyard-dynamic-quant.batch.tok_s": 390.0,
+               "kvyard-dynamic-quant.batch1.itl_ms": 10.0, "openvino-int4.batch.tok_s": 300.0}]
+    ratios = offline._ratios(rounds, rounds[0])
+    assert ratios["dynamic_quant_batch_throughput"]["median"] == pytest.approx(1.3)
+    assert ratios["dynamic_quant_batch_throughput_vs_openvino_int4"]["median"] == pytest.approx(1.3)
+    assert ratios["batch_throughput_vs_openvino_int4"]["median"] == pytest.approx(1.0)
