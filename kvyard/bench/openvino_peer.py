@@ -13,9 +13,14 @@ tokenizer (kvyard/bench/hf_export.py; optimum-intel's transformers would convert
 Each format runs in a worker process under the peer venv's Python (kvyard/bench/openvino_worker.py).
 """
 
+import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from kvyard.bench.hf_export import dequantized_hf_dir
 from kvyard.bench.peers import JsonLinePeer, batch1_figures
@@ -80,6 +85,23 @@ def export(model: str, formats: tuple[str, ...]) -> dict[str, Path]:
             partial.rename(out)
         dirs[fmt] = out
     return dirs
+
+
+def logits(model_dir: Path, sequences: list[list[int]], threads: int) -> tuple[list[torch.Tensor], str]:
+    """Every position's logits [len, vocab] of each sequence from the IR model in `model_dir`
+    (kvyard/bench/openvino_logits.py under the peer venv), and the inference precision it ran at."""
+    script = Path(__file__).with_name("openvino_logits.py")
+    with tempfile.TemporaryDirectory(prefix="kvyard-openvino-logits-") as tmp:
+        seqs = Path(tmp) / "sequences.json"
+        seqs.write_text(json.dumps(sequences))
+        proc = subprocess.run([str(python()), str(script), str(model_dir), str(threads), str(seqs), tmp],
+                              capture_output=True, text=True, timeout=3600)
+        lines = proc.stdout.strip().splitlines()
+        reply = json.loads(lines[-1]) if lines else {"error": proc.stderr.strip()[-2000:] or f"exit {proc.returncode}"}
+        if "error" in reply:
+            raise RuntimeError(f"OpenVINO logits from {model_dir}: {reply['error']}")
+        return [torch.from_numpy(np.load(Path(tmp) / f"{i}.npy")) for i in range(len(sequences))], \
+            reply["inference_precision"]
 
 
 class OpenVINOPeer(JsonLinePeer):

@@ -19,10 +19,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from kvyard.bench import openvino_peer
 from kvyard.bench.decode_steps import interleaved_decode_steps
 from kvyard.bench.output import emit_json, machine_info
 from kvyard.bench.workload import random_workload
 from kvyard.config import EngineConfig, parse_dtype
+from kvyard.errors import ConfigError
 from kvyard.llm import LLM
 from kvyard.loader.registry import resolve_model
 from kvyard.quant.awq import DEFAULT_SCALING, SCALINGS
@@ -33,6 +37,7 @@ from kvyard.quant.scheme import DEFAULT_ROUNDING, KEEP_GGUF, ROUNDINGS
 from kvyard.quant.tool import (
     QuantizeOptions,
     QuantizeResult,
+    Reference,
     kv_cache_fidelity,
     load_reference,
     quantize_model,
@@ -64,6 +69,9 @@ def add_quant_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_head_scheme_arg(p)
     p.add_argument("--dynamic-quant", action="store_true",
                    help="also each low-bit scheme with int8 activations (--dynamic-quant): its KL and speed")
+    p.add_argument("--openvino-formats", default="",
+                   help="also the KL of OpenVINO's own IR models against the same fp32 model on the same text: "
+                        "comma list of fp16, int8, int4 (needs `make openvino-peer`)")
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per measurement")
@@ -137,6 +145,22 @@ def _fp32_row(f: Fidelity) -> dict:
     return {"kl_mean_fp32": f.kl_mean, "kl_p99_fp32": f.kl_p99, "top1_agreement_fp32": f.top1_agreement}
 
 
+def _openvino_fidelity(args: argparse.Namespace, ref: Reference) -> dict[str, dict]:
+    """OpenVINO's own model in each asked-for format against `ref` (the fp32 model) on ref's text: the fidelity
+    its int8 and int4 weights, and its own rounding of activations, give up (--dynamic-quant is held to it)."""
+    if not args.openvino_formats:
+        return {}
+    if not openvino_peer.installed():
+        raise ConfigError("--openvino-formats needs the OpenVINO peer: run `make openvino-peer`",
+                          param="openvino_formats")
+    rows = {}
+    for fmt, path in openvino_peer.export(args.model, openvino_peer.parse_formats(args.openvino_formats, None)).items():
+        logits, precision = openvino_peer.logits(path, ref.meter.sequences, torch.get_num_threads())
+        rows[fmt] = {**_source_row(ref.meter.measure_logits(logits)), "inference_precision": precision, "ir": str(path)}
+        print(f"openvino-{fmt}: {json.dumps(rows[fmt])}", file=sys.stderr)
+    return rows
+
+
 def run_quant_bench(args: argparse.Namespace) -> int:
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -181,6 +205,7 @@ def run_quant_bench(args: argparse.Namespace) -> int:
                  saved_fidelity(fp32_source, paths[scheme], dynamic_quant=True, dtype=measure_dtype))
             fidelity[twin] = _source_row(f)
             print(f"{twin}: {json.dumps(fidelity[twin])}", file=sys.stderr)
+    openvino = _openvino_fidelity(args, fp32_source)
     del fp32_source  # float32 weights and their model: more memory than the timed engines (Qwen2.5-Coder-1.5B)
     gc.collect()
     engines = {name: LLM(config=EngineConfig(model=p, dtype=args.dtype, kv_cache_memory="1GiB",
@@ -214,7 +239,7 @@ def run_quant_bench(args: argparse.Namespace) -> int:
         "head_scheme": args.head_scheme, "baseline": base, "machine": machine_info(),
         "workload": {"input_len": args.input_len, "decode_steps": args.decode_steps, "batch_sizes": batches,
                      "repeats": args.repeats},
-        "schemes": table, "rounds": rounds, "checkpoints": str(out_root),
+        "schemes": table, "openvino": openvino, "rounds": rounds, "checkpoints": str(out_root),
     }
     emit_json(result, args.json_out)
     return 0

@@ -101,8 +101,11 @@ class FidelityMeter:
         self.ref_nll = torch.cat([_nll(lp, s) for lp, s in zip(self.ref_logprobs, self.sequences, strict=True)])
 
     def measure(self, model: DecoderModel, kv_int8: bool = False) -> Fidelity:
+        return self.measure_logits(batch_logits(model, self.sequences, kv_int8))
+
+    def measure_logits(self, logits_all: list[torch.Tensor]) -> Fidelity:
+        """Against logits computed elsewhere (another engine's), one [len, vocab] tensor per sequence."""
         kls, agree, nlls = [], [], []
-        logits_all = batch_logits(model, self.sequences, kv_int8)
         for ids, ref, logits in zip(self.sequences, self.ref_logprobs, logits_all, strict=True):
             kls.append(kl_per_token(ref, logits))
             agree.append(ref.argmax(-1) == logits.argmax(-1))

@@ -18,10 +18,57 @@ STAND_IN_OPENVINO = textwrap.dedent('''
         def get_type_name(self):
             return "f32"
 
+    class _Port:
+        def __init__(self, name):
+            self.name = name
+
+        def get_names(self):
+            return {self.name}
+
+    class _Request:
+        """Logits [1, n, 5]: position t scores token v as (ids[t] + v) % 5, plus the calls since the last reset
+        (a stateful model must be reset between sequences)."""
+        def __init__(self):
+            self.calls = 0
+
+        def reset_state(self):
+            self.calls = 0
+
+        def infer(self, inputs):
+            import numpy as np
+            assert set(inputs) == {"input_ids", "attention_mask", "position_ids", "beam_idx"}
+            ids = inputs["input_ids"][0]
+            self.out = ((ids[:, None] + np.arange(5)[None]) % 5 + self.calls).astype(np.float32)[None]
+            self.calls += 1
+
+        def get_tensor(self, name):
+            assert name == "logits"
+            return Tensor(self.out)
+
+    class _Compiled:
+        inputs = [_Port(n) for n in ("input_ids", "attention_mask", "position_ids", "beam_idx")]
+
+        def create_infer_request(self):
+            return _Request()
+
+        def get_property(self, name):
+            assert name == "INFERENCE_PRECISION_HINT"
+            return _Type()
+
     class Core:
         def get_property(self, device, name):
             assert (device, name) == ("CPU", "INFERENCE_PRECISION_HINT")
             return _Type()
+
+        def read_model(self, path):
+            import os
+            if not os.path.exists(path):
+                raise RuntimeError(f"Exception from src/frontends: {path} does not exist")
+            return path
+
+        def compile_model(self, model, device, properties):
+            assert device == "CPU" and properties == {"INFERENCE_NUM_THREADS": 1}
+            return _Compiled()
 ''')
 
 # Greedy "generation" counts up from the prompt's last token, so the protocol's results can be checked exactly.
@@ -160,3 +207,15 @@ def test_ratios_pair_the_dynamic_quant_variant_with_kvyard_and_openvino():
     assert ratios["dynamic_quant_batch_throughput"]["median"] == pytest.approx(1.3)
     assert ratios["dynamic_quant_batch_throughput_vs_openvino_int4"]["median"] == pytest.approx(1.3)
     assert ratios["batch_throughput_vs_openvino_int4"]["median"] == pytest.approx(1.0)
+
+
+def test_logits_come_back_per_sequence_with_the_state_reset(stand_in):
+    (stand_in / "openvino_model.xml").write_text("<net/>")
+    logits, precision = openvino_peer.logits(stand_in, [[1, 2, 3], [4]], threads=1)
+    assert precision == "f32" and [t.shape for t in logits] == [(3, 5), (1, 5)]
+    assert logits[0][2].tolist() == [3.0, 4.0, 0.0, 1.0, 2.0] and logits[1][0].tolist() == [4.0, 0.0, 1.0, 2.0, 3.0]
+
+
+def test_logits_from_a_missing_model_raise_its_reason(stand_in):
+    with pytest.raises(RuntimeError, match="openvino_model.xml does not exist"):
+        openvino_peer.logits(stand_in, [[1]], threads=1)
