@@ -10,6 +10,8 @@ from kvyard.cli.main import main
 from tests.router.test_up_cluster import free_port_run
 
 
+# 30-130 s on a 2-core AVX2 EPYC (make test took 55 min there, 2026-12-07): run with -m slow
+@pytest.mark.slow
 def test_bench_ray_measures_the_ray_deployment_and_its_recovery(tiny_checkpoint, tmp_path):
     pytest.importorskip("ray")
     model = str(tiny_checkpoint("llama"))

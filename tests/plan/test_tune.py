@@ -24,6 +24,8 @@ def tiny(tiny_checkpoint):
     return tiny_checkpoint("llama")
 
 
+# 30-130 s on a 2-core AVX2 EPYC (make test took 55 min there, 2026-12-07): run with -m slow
+@pytest.mark.slow
 def test_tune_beats_a_bad_default_and_skips_a_crash(tiny, tmp_path):
     base = tmp_path / "base.yaml"
     base.write_text(f"engine:\n  model: {tiny}\n  max_num_seqs: 1\n  dtype: float32\n")
@@ -88,6 +90,8 @@ def test_a_candidate_larger_than_one_that_ran_out_of_memory_is_skipped(tiny, tmp
     assert isinstance(cands[2], Candidate) and not (tmp_path / "logs").exists()
 
 
+# 30-130 s on a 2-core AVX2 EPYC (make test took 55 min there, 2026-12-07): run with -m slow
+@pytest.mark.slow
 def test_a_replica_count_is_a_knob_run_with_kvyard_up(tiny, tmp_path):
     """A candidate with a cluster section runs as `kvyard up` (workers and the router) and is measured the same way."""
     base = tmp_path / "base.yaml"
