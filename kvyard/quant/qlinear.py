@@ -317,16 +317,15 @@ class PlainLowBitLinear(_ScaledCodes, _PaddedInput):
                 and (qt.scheme.bits == 8 or qt.group_size % _INT4_RUN == 0) and cpu_kernels.available())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._int8_rows(x) or (x.shape[0] <= KERNEL_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)):
+        int8_rows = self.int8_activations and x.dtype == torch.bfloat16  # the integer kernel beats the GEMM at any size
+        if int8_rows or (x.shape[0] <= KERNEL_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)):
             return self.kernel(x)
         return dequantized_linear(self, x)
 
-    def _int8_rows(self, x: torch.Tensor) -> bool:
-        return self.int8_activations and x.dtype == torch.bfloat16 and x.shape[0] > 1
-
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """x . W^T by kvyard's portable kernel, at any row count (with int8 activations where asked for)."""
-        op = torch.ops.kvyard.lowbit_linear_i8 if self._int8_rows(x) else torch.ops.kvyard.lowbit_linear
+        """x . W^T by kvyard's portable kernel, at any row count (lowbit_linear_i8 itself leaves one row and fp32
+        to lowbit_linear)."""
+        op = torch.ops.kvyard.lowbit_linear_i8 if self.int8_activations else torch.ops.kvyard.lowbit_linear
         return op(self._pad_x(x).contiguous(), self.q, self.scale, self.zero, self.bits, self.group_size,
                   self.out_features)
 

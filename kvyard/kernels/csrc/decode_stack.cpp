@@ -41,11 +41,10 @@ struct Linear {
       case kAmx: return ops::amx_linear(x, w, bias);
       case kDense: return at::linear(x, w, bias);
       case kLowBit:
-      case kLowBitI8: {  // PlainLowBitLinear.kernel: int8 activations (--dynamic-quant) for two bf16 rows or more
+      case kLowBitI8: {  // PlainLowBitLinear.kernel: kLowBitI8 is --dynamic-quant's int8 activations
         const at::Tensor padded = (x.size(1) == k_pad ? x : at::constant_pad_nd(x, {0, k_pad - x.size(1)})).contiguous();
-        const bool int8_rows = kind == kLowBitI8 && x.size(0) > 1 && x.scalar_type() == at::kBFloat16;
-        y = int8_rows ? ops::lowbit_linear_i8(padded, w, *scale, zero, bits, group, out_features)
-                      : ops::lowbit_linear(padded, w, *scale, zero, bits, group, out_features);
+        y = kind == kLowBitI8 ? ops::lowbit_linear_i8(padded, w, *scale, zero, bits, group, out_features)
+                              : ops::lowbit_linear(padded, w, *scale, zero, bits, group, out_features);
         break;
       }
       case kAmxLowBit: y = ops::amx_linear_lowbit(x, w, *scale, zero, bits, group, outlier_cols, outliers); break;

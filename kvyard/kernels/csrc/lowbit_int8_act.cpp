@@ -221,12 +221,15 @@ namespace kvyard::ops {
 
 bool lowbit_int8_act_available() { return kCompiled; }
 
-// y [rows, out_features] = x . W^T for bf16 x [rows, K] (K padded as the weight is), x rounded to int8 per run.
+// y [rows, out_features] = x . W^T for x [rows, K] (K padded as the weight is), x rounded to int8 per run where it is
+// bf16 with two rows or more; one row (a batch-1 decode, memory-bound) and fp32 (exact) take lowbit_linear.
 at::Tensor lowbit_linear_i8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                             const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size, int64_t out_features) {
+  if (x.scalar_type() != at::kBFloat16 || x.size(0) <= 1)
+    return lowbit_linear(x, q, scale, zero, bits, group_size, out_features);
   TORCH_CHECK(kCompiled, "lowbit_linear_i8 needs AVX2 and FMA");
   const LowBitDims d = check_layout(q, scale, zero, bits, group_size);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be a contiguous bf16 [rows, in] matrix");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in] matrix");
   TORCH_CHECK(x.size(1) == d.k, "x has ", x.size(1), " columns, the weight takes ", d.k);
   TORCH_CHECK(out_features > d.n - kBlockRows && out_features <= d.n, "out_features ", out_features, " does not fit ",
               d.n, " padded rows");
