@@ -16,6 +16,9 @@ usage: python tools/gemm_stream.py            bf16: oneDNN's packed GEMM against
                                               layers both dequantized to the dense GEMM and on their kernel
        python tools/gemm_stream.py --pages    the layer matmuls at 1 row, bf16, int8 and int4-g128 as the
                                               model holds them, on 4 KB pages against moved onto huge pages
+       --dynamic-quant                        one layer of each shape at 2 to 2,048 rows, int4-g32 and int8: kvyard's
+                                              int8-activation kernel (--dynamic-quant) against the portable kernel
+                                              and MKL's fp32 GEMM on the dequantized weight
        --qwen                                 Qwen2.5-0.5B's layer shapes (24 layers) instead of SmolLM2's
        --kept                                 the low-bit forms keep 5 % of their input columns (outlier columns)
        --flush                                read a 600 MB buffer before each pass, so that every pass starts
@@ -102,6 +105,19 @@ def prefill_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
             **{f"{name} kernel": ws for name, ws in vnni_layers.items()}}  # the layers take every row count
 
 
+def dynamic_quant_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
+    if not cpu_kernels.int8_act_available():
+        raise SystemExit("--dynamic-quant needs kvyard's AVX2 kernels, which this CPU or build lacks")
+    forms: dict[str, list[Matmul]] = {}
+    for scheme in ("int4-g32", "int8"):
+        exact = [PlainLowBitLinear(quantized(d, scheme)) for d in dense]
+        forms[f"{scheme} int8-activations"] = [PlainLowBitLinear(quantized(d, scheme), int8_activations=True).kernel
+                                               for d in dense]
+        forms[f"{scheme} portable"] = [w.kernel for w in exact]
+        forms[f"{scheme} fp32 GEMM"] = [lambda x, w=w: dequantized_linear(w, x) for w in exact]
+    return forms
+
+
 def paged_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
     """bf16, int8 and int4-g128 in the model's forms, once as allocated (4 KB pages) and once moved onto huge pages."""
     forms: dict[str, list[Matmul]] = {}
@@ -123,14 +139,15 @@ def rate(seconds: float, flops: int, bf16_bytes: int, prefill: bool) -> str:
 
 def main() -> None:
     torch.set_num_threads(2)
-    lowbit, hot, prefill, pages = (f"--{m}" in sys.argv for m in ("lowbit", "hot", "prefill", "pages"))
+    lowbit, hot, prefill, pages, dq = (f"--{m}" in sys.argv for m in ("lowbit", "hot", "prefill", "pages", "dynamic-quant"))
+    prefill = prefill or dq  # one layer of each shape, compute-bound
     layer, head, layers = (QWEN_SHAPES, QWEN_HEAD, QWEN_LAYERS) if "--qwen" in sys.argv else (SHAPES, HEAD, 30)
     shapes = layer if hot or prefill else layer * layers + ([] if lowbit or pages else [head])
     dense = [torch.randn(o, i) for o, i in shapes]
-    forms = (prefill_forms(dense) if prefill else lowbit_forms(dense) if lowbit else paged_forms(dense) if pages
+    forms = (dynamic_quant_forms(dense) if dq else prefill_forms(dense) if prefill else lowbit_forms(dense) if lowbit else paged_forms(dense) if pages
              else bf16_forms(dense))
     bf16_bytes = sum(d.numel() * 2 for d in dense)
-    row_counts = ((48, 128, 512) if prefill else (32, 64, 128, 512, 2048) if hot else (1, 32) if lowbit else (1,) if pages
+    row_counts = ((2, 8, 32, 256, 2048) if dq else (48, 128, 512) if prefill else (32, 64, 128, 512, 2048) if hot else (1, 32) if lowbit else (1,) if pages
                   else (1, 16, 32, 64))
     for rows in row_counts:
         xs = {i: torch.randn(rows, i, dtype=torch.bfloat16) for i in {i for _, i in layer}}

@@ -5,18 +5,21 @@
 //
 // Why: widened_rows.h widens each block of four weight rows to fp32 and spends one FMA per weight per row of x,
 // which bounds a 32-row step by FMA throughput. Here vpmaddubsw multiplies 32 code-activation pairs per
-// instruction, exactly in integers, and the block's codes are unpacked once per call for every row.
+// instruction, exactly in integers.
 //
 // x: each run of 32 values gets its own step (largest magnitude / 127) and int8 codes, rounded to nearest even.
-// Weight codes: int4 as u = q + 8 (unsigned, as vpmaddubsw takes its first operand); int8 through the sign trick,
-// |q| against x's codes with q's sign. No int16 lane can saturate (int4: four products of 15 * 127 and their sums
-// over four rows' halves, at most 30,480; int8: two of 128 * 127), and every int32 sum is below 2^24, exact in
-// fp32. Each run's integer dot is scaled by its x step times its weight group's scale; the zero term, less int4's
-// + 8 times the scale, multiplies the run's rounded sum. So y = x_rounded . W exactly as each term rounds in fp32
-// (W the dequantized weight), and every output element is summed in one order whatever the row count: a row's
-// result depends only on that row. On a 2-core AMD EPYC (Zen 3) SmolLM2's four layer shapes took half the time of
-// the widened fp32 loop at 32 and at 256 rows (int4-g32 codes; int8 0.75-0.8 of it). Two per-lane divisions when a
-// block was prepared and a per-group loop for the zero terms had cost 15-20 % of that.
+// Weight: each call lays the codes out again, eight output columns at a time, one column per 32-bit lane holding
+// four consecutive k values (int4 as u = q + 8, unsigned, as vpmaddubsw takes its first operand; int8 as |q|
+// beside q, whose sign goes onto x's codes). Four rows of x share each loaded vector, each broadcasting its own
+// four codes, so no lane ever needs a horizontal sum. No int16 lane can saturate (int4: 16 products of 15 * 127 over
+// a run, at most 30,480; int8: two of 128 * 127 before each widening to int32), and every int32 sum is below 2^24,
+// exact in fp32. Each run's integer dot is scaled by its x step times its weight group's scale; the zero term,
+// less int4's + 8 times the scale, multiplies the run's rounded sum. So y = x_rounded . W exactly as each term
+// rounds in fp32 (W the dequantized weight), and each output element is summed run by run in k order whatever the
+// row count: a row's result depends only on that row. On a 2-core AMD EPYC (Zen 3), SmolLM2's four layer shapes in
+// int4-g32 (tools/gemm_stream.py --dynamic-quant): 145 GFLOP/s at 32 rows, 201 at 256, 250 at 2,048, against 94,
+// 181 and 184 for this kernel's first version (a block's four weight rows in the lanes of each vector, gathered by
+// vphaddw per chunk) and 43, 102 and 140 for MKL's fp32 GEMM on the dequantized weight.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -33,18 +36,21 @@ using namespace kvyard;
 
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool kCompiled = true;
-constexpr int64_t kLanes = 8;  // one chunk's sums: lane r (+ 4) is block row r's; int4: lanes 0-3 run A, 4-7 run B
+constexpr int64_t kPanelCols = 8;  // output columns of one panel: one per fp32 lane
+constexpr int64_t kQuad = 4;       // consecutive k values of one column in each 32-bit lane of a panel vector
+constexpr int64_t kTileRows = 4;   // rows of x that share each panel vector as it is loaded
+constexpr int64_t kGroupPanels = 16;  // panels prepared together, then swept over every row tile of x
 
-// x's rows rounded to int8, laid out chunk by chunk as the weight's codes are read.
+// x's rows rounded to int8, runs of 32 in k order, with each run's step and its sum as rounded.
 struct Int8Rows {
-  int64_t chunks = 0, chunk_values = 0;
-  std::vector<int8_t> q;     // [m][chunks][values]; int4: A's 0-15, B's 0-15, A's 16-31, B's 16-31
-  std::vector<float> step;   // [m][chunks][8]: the x step of each lane's run
-  std::vector<float> total;  // [m][chunks][8]: the sum of each lane's run as rounded (step * its code sum)
+  int64_t runs = 0;
+  std::vector<int8_t> q;     // [m][k]
+  std::vector<float> step;   // [m][runs]
+  std::vector<float> total;  // [m][runs]: step * the run's code sum
 };
 
-// One run of 32 values to int8 codes, values 0-15 to dst[0] and 16-31 to dst[1], returning its step and code sum.
-float round_run(const float* v, int8_t* const dst[2], int32_t* code_sum) {
+// One run of 32 values to int8 codes in dst[0..31], returning its step and code sum.
+float round_run(const float* v, int8_t* dst, int32_t* code_sum) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 vals[4], mag = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
@@ -63,7 +69,7 @@ float round_run(const float* v, int8_t* const dst[2], int32_t* code_sum) {
   for (int half = 0; half < 2; ++half) {  // packs interleaves by 128-bit lane; the permute restores the order
     const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(codes[2 * half], codes[2 * half + 1]), 0xD8);
     const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst[half]), bytes);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * half), bytes);
   }
   __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
@@ -71,142 +77,171 @@ float round_run(const float* v, int8_t* const dst[2], int32_t* code_sum) {
   return amax / 127.0f;
 }
 
-template <int kBits>
 Int8Rows round_rows(const float* x, int64_t m, int64_t k) {
   Int8Rows rows;
-  rows.chunk_values = kChunkBytes * 8 / kBits;
-  rows.chunks = k / rows.chunk_values;
+  rows.runs = k / kInt4Run;
   rows.q.resize(m * k);
-  rows.step.resize(m * rows.chunks * kLanes);
-  rows.total.resize(m * rows.chunks * kLanes);
+  rows.step.resize(m * rows.runs);
+  rows.total.resize(m * rows.runs);
   at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      for (int64_t c = 0; c < rows.chunks; ++c) {
-        const float* v = x + i * k + c * rows.chunk_values;
-        int8_t* q = rows.q.data() + i * k + c * rows.chunk_values;
-        float* step = rows.step.data() + (i * rows.chunks + c) * kLanes;
-        float* total = rows.total.data() + (i * rows.chunks + c) * kLanes;
-        for (int run = 0; run < (kBits == 4 ? 2 : 1); ++run) {
-          // int8: one run in order; int4: run A's halves at 0 and 32, B's at 16 and 48, as the nibbles unpack
-          int8_t* const dst[2] = {kBits == 4 ? q + 16 * run : q, kBits == 4 ? q + 32 + 16 * run : q + 16};
-          int32_t code_sum = 0;
-          const float s = round_run(v + kInt4Run * run, dst, &code_sum);
-          const int lanes = kBits == 4 ? 4 : 8;
-          std::fill_n(step + lanes * run, lanes, s);
-          std::fill_n(total + lanes * run, lanes, s * static_cast<float>(code_sum));
-        }
+      for (int64_t run = 0; run < rows.runs; ++run) {
+        const int64_t at = i * rows.runs + run;
+        int32_t code_sum = 0;
+        rows.step[at] = round_run(x + i * k + run * kInt4Run, rows.q.data() + i * k + run * kInt4Run, &code_sum);
+        rows.total[at] = rows.step[at] * static_cast<float>(code_sum);
       }
   });
   return rows;
 }
 
-// A block of four weight rows made ready for every row of x: codes unpacked to the bytes vpmaddubsw reads (int4:
-// the low nibbles then the high ones; int8: |q| then q), and per chunk each lane's weight scale and shift (the
-// zero term, less int4's + 8 times the scale), which multiplies the lane's run sum of x.
-struct Block {
-  std::vector<uint8_t> codes;  // [chunks][4][64]
-  std::vector<float> scale;    // [chunks][8]
-  std::vector<float> shift;    // [chunks][8], empty where there is none (int8 without zero terms)
+// The 8 x 8 transpose of 32-bit lanes: v[c] holds column c's 32 codes of a run in k order; afterwards v[j] holds
+// k values 4j..4j+3 of columns 0..7, one column per lane, as the dot products read them.
+inline void transpose_quads(__m256i v[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x20);
+    v[j + 4] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x31);
+  }
+}
+
+// Eight output columns made ready for every row of x: per run, 8 vectors of codes (int4: u = q + 8; int8: |q|,
+// each followed by q for its sign), then each column's weight scale and shift (the zero term, less int4's 8 times
+// the scale), which multiplies the run's sum of x.
+struct Panel {
+  std::vector<uint8_t> codes;  // [runs][8 or 16][32]
+  std::vector<float> scale;    // [runs][8]
+  std::vector<float> shift;    // [runs][8], empty where there is none (int8 without zero terms)
 };
 
 template <int kBits>
-void prepare_block(const uint8_t* q, const float* scale, const float* zero, int64_t groups, int64_t group,
-                   int64_t chunks, Block& b) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  for (int64_t c = 0; c < chunks; ++c)
-    for (int r = 0; r < kBlockRows; ++r) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (c * kBlockRows + r) * kChunkBytes));
-      auto* dst = reinterpret_cast<__m256i*>(b.codes.data() + (c * kBlockRows + r) * 64);
-      _mm256_storeu_si256(dst, kBits == 4 ? _mm256_and_si256(raw, low) : _mm256_abs_epi8(raw));
-      _mm256_storeu_si256(dst + 1, kBits == 4 ? _mm256_and_si256(_mm256_srli_epi16(raw, 4), low) : raw);
-    }
-  // each lane's group, run by run (a group holds whole runs), without a division per lane
-  const int64_t runs_per_group = group / kInt4Run, halves = kBits == 4 ? 2 : 1, lanes = kLanes / halves;
-  for (int64_t c = 0, run = 0; c < chunks; ++c)
-    for (int64_t half = 0; half < halves; ++half, ++run) {
-      const int64_t g = run / runs_per_group;  // once per run, not per lane
-      for (int64_t l = half * lanes; l < (half + 1) * lanes; ++l) {
-        const int64_t r = l % kBlockRows;
-        const float s = scale[r * groups + g];
-        b.scale[c * kLanes + l] = s;
-        if (!b.shift.empty()) b.shift[c * kLanes + l] = (zero != nullptr ? zero[r * groups + g] : 0.0f) - (kBits == 4 ? 8.0f * s : 0.0f);
-      }
-    }
-}
+constexpr int64_t kRunVectors = kBits == 4 ? 8 : 16;
 
-// One chunk of one row of x against the block's four rows: the integer dots, lanes as kLanes says.
+// Columns n0..n0+7 (the last panel may hold one block of four, the rest zero codes) from the portable layout.
 template <int kBits>
-inline __m256i chunk_dots(const uint8_t* codes, const int8_t* xq) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  auto load = [](const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
-  __m256i p[kBlockRows];
-  if constexpr (kBits == 4) {
-    const __m256i lo = load(xq), hi = load(xq + 32);
-    for (int r = 0; r < kBlockRows; ++r)
-      p[r] = _mm256_add_epi16(_mm256_maddubs_epi16(load(codes + 64 * r), lo),
-                              _mm256_maddubs_epi16(load(codes + 64 * r + 32), hi));
-    const __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
-    return _mm256_madd_epi16(h, ones);
-  } else {
-    const __m256i xv = load(xq);
-    for (int r = 0; r < kBlockRows; ++r)
-      p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(load(codes + 64 * r), _mm256_sign_epi8(xv, load(codes + 64 * r + 32))), ones);
-    return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-  }
-}
-
-// kCount blocks (of four weight rows) against rows m0..m1 of x, their sums to `sums_out` [rows][kCount * 4]: each
-// row's x codes, steps and run sums are read once for every block of the panel.
-template <int kBits, int kCount>
-void panel_rows(const Block* b, const Int8Rows& x, int64_t m0, int64_t m1, int64_t k, float* sums_out) {
-  for (int64_t i = m0; i < m1; ++i) {
-    __m256 acc[kCount];
-    for (int j = 0; j < kCount; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < x.chunks; ++c) {
-      const int64_t at = i * x.chunks + c;
-      const int8_t* xq = x.q.data() + i * k + c * x.chunk_values;
-      const __m256 step = _mm256_loadu_ps(x.step.data() + at * kLanes);
-      for (int j = 0; j < kCount; ++j) {
-        const __m256i dots = chunk_dots<kBits>(b[j].codes.data() + c * kBlockRows * 64, xq);
-        const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(b[j].scale.data() + c * kLanes), step);
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[j]);
-        if (!b[j].shift.empty())
-          acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(b[j].shift.data() + c * kLanes),
-                                   _mm256_loadu_ps(x.total.data() + at * kLanes), acc[j]);
+void prepare_panel(const uint8_t* q, const float* scale, const float* zero, const LowBitDims& d, int64_t group,
+                   int64_t n0, int64_t runs, Panel& p) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const int64_t blocks = std::min<int64_t>(2, (d.n - n0) / kBlockRows), per_chunk = kBits == 4 ? 2 : 1;
+  for (int64_t run = 0; run < runs; ++run) {
+    const int64_t chunk = run / per_chunk, offset = (run % per_chunk) * 16;  // int4: runs A and B share a chunk
+    __m256i v[8];
+    for (int c = 0; c < kPanelCols; ++c) {
+      const int64_t b = c / kBlockRows;
+      if (b >= blocks) { v[c] = _mm256_setzero_si256(); continue; }
+      const uint8_t* src = q + (n0 + b * kBlockRows) * d.row_bytes + (chunk * kBlockRows + c % kBlockRows) * kChunkBytes;
+      if constexpr (kBits == 4) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + offset));
+        v[c] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);  // values 0-15, then 16-31
+      } else {
+        v[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
       }
     }
-    for (int j = 0; j < kCount; ++j)
-      _mm_storeu_ps(sums_out + ((i - m0) * kCount + j) * kBlockRows,
-                    _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1)));
+    transpose_quads(v);
+    auto* dst = reinterpret_cast<__m256i*>(p.codes.data() + run * kRunVectors<kBits> * 32);
+    for (int j = 0; j < 8; ++j) {
+      if constexpr (kBits == 4) {
+        _mm256_storeu_si256(dst + j, v[j]);
+      } else {
+        _mm256_storeu_si256(dst + 2 * j, _mm256_abs_epi8(v[j]));
+        _mm256_storeu_si256(dst + 2 * j + 1, v[j]);
+      }
+    }
+    const int64_t g = run * kInt4Run / group;
+    for (int c = 0; c < kPanelCols; ++c) {
+      const bool real = c / kBlockRows < blocks;
+      const float s = real ? scale[(n0 + c) * d.groups + g] : 0.0f;
+      p.scale[run * kPanelCols + c] = s;
+      if (!p.shift.empty())
+        p.shift[run * kPanelCols + c] =
+            real ? (zero != nullptr ? zero[(n0 + c) * d.groups + g] : 0.0f) - (kBits == 4 ? 8.0f * s : 0.0f) : 0.0f;
+    }
   }
 }
 
-constexpr int kPanel = 2;  // blocks per pass over x's rows
+// kRows rows of x (from row i) against one panel: each row's eight sums in its own fp32 lanes, added run by run in
+// k order, so a row's result never depends on the rows beside it.
+template <int kBits, int kRows>
+void panel_tile(const Panel& p, const Int8Rows& x, int64_t i, int64_t k, float* sums) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t run = 0; run < x.runs; ++run) {
+    const auto* w = reinterpret_cast<const __m256i*>(p.codes.data() + run * kRunVectors<kBits> * 32);
+    const int8_t* xq = x.q.data() + i * k + run * kInt4Run;
+    __m256i dots[kRows];
+    for (int r = 0; r < kRows; ++r) dots[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      if constexpr (kBits == 4) {
+        // u <= 15 and |x| <= 127: each int16 lane sums 16 products over the run, at most 30,480
+        const __m256i wv = _mm256_loadu_si256(w + j);
+        for (int r = 0; r < kRows; ++r) {
+          const __m256i xv = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * k + kQuad * j));
+          dots[r] = _mm256_add_epi16(dots[r], _mm256_maddubs_epi16(wv, xv));
+        }
+      } else {
+        const __m256i mag = _mm256_loadu_si256(w + 2 * j), sign = _mm256_loadu_si256(w + 2 * j + 1);
+        for (int r = 0; r < kRows; ++r) {
+          const __m256i xv = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * k + kQuad * j));
+          dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(xv, sign)), ones));
+        }
+      }
+    }
+    const __m256 scale = _mm256_loadu_ps(p.scale.data() + run * kPanelCols);
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t at = (i + r) * x.runs + run;
+      const __m256i d = kBits == 4 ? _mm256_madd_epi16(dots[r], ones) : dots[r];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(scale, _mm256_set1_ps(x.step[at])), acc[r]);
+      if (!p.shift.empty())
+        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(p.shift.data() + run * kPanelCols), _mm256_set1_ps(x.total[at]), acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(sums + r * kPanelCols, acc[r]);
+}
+
+template <int kBits>
+void tile_rows(const Panel& p, const Int8Rows& x, int64_t i, int64_t rows, int64_t k, float* sums) {
+  switch (rows) {
+    case 4: return panel_tile<kBits, 4>(p, x, i, k, sums);
+    case 3: return panel_tile<kBits, 3>(p, x, i, k, sums);
+    case 2: return panel_tile<kBits, 2>(p, x, i, k, sums);
+    default: return panel_tile<kBits, 1>(p, x, i, k, sums);
+  }
+}
 
 template <int kBits>
 void int8_act_matmul(const float* xf, int64_t m, const uint8_t* q, const float* scale, const float* zero,
                      int64_t group, const LowBitDims& d, int64_t n_out, at::BFloat16* out) {
-  const Int8Rows x = round_rows<kBits>(xf, m, d.k);
-  const int64_t blocks = (n_out + kBlockRows - 1) / kBlockRows;
-  at::parallel_for(0, (blocks + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Block> panel(kPanel, Block{std::vector<uint8_t>(x.chunks * kBlockRows * 64),
-                                           std::vector<float>(x.chunks * kLanes),
-                                           std::vector<float>(kBits == 4 || zero != nullptr ? x.chunks * kLanes : 0)});
-    std::vector<float> sums(kRowTile * kPanel * kBlockRows);
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * kPanel * kBlockRows, count = std::min<int64_t>(kPanel, blocks - p * kPanel);
-      for (int64_t j = 0; j < count; ++j) {
-        const int64_t r0 = n0 + j * kBlockRows;
-        prepare_block<kBits>(q + r0 * d.row_bytes, scale + r0 * d.groups, zero != nullptr ? zero + r0 * d.groups : nullptr,
-                             d.groups, group, x.chunks, panel[j]);
-      }
-      const int64_t rows = std::min(count * kBlockRows, n_out - n0);
-      for (int64_t m0 = 0; m0 < m; m0 += kRowTile) {
-        const int64_t m1 = std::min(m, m0 + kRowTile);
-        if (count == kPanel) panel_rows<kBits, kPanel>(panel.data(), x, m0, m1, d.k, sums.data());
-        else panel_rows<kBits, 1>(panel.data(), x, m0, m1, d.k, sums.data());
-        for (int64_t i = m0; i < m1; ++i)
-          store_row(sums.data() + (i - m0) * count * kBlockRows, 1.0f, out + i * n_out + n0, rows);
+  const Int8Rows x = round_rows(xf, m, d.k);
+  const int64_t panels = (n_out + kPanelCols - 1) / kPanelCols;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    const bool shifted = kBits == 4 || zero != nullptr;
+    std::vector<Panel> group_panels(std::min(kGroupPanels, end - begin),
+                                    Panel{std::vector<uint8_t>(x.runs * kRunVectors<kBits> * 32),
+                                          std::vector<float>(x.runs * kPanelCols),
+                                          std::vector<float>(shifted ? x.runs * kPanelCols : 0)});
+    float sums[kTileRows * kPanelCols];
+    for (int64_t g0 = begin; g0 < end; g0 += kGroupPanels) {
+      const int64_t g1 = std::min(end, g0 + kGroupPanels);
+      for (int64_t p = g0; p < g1; ++p)
+        prepare_panel<kBits>(q, scale, zero, d, group, p * kPanelCols, x.runs, group_panels[p - g0]);
+      for (int64_t i = 0; i < m; i += kTileRows) {  // a tile of x stays in L1 while the group's panels pass
+        const int64_t rows = std::min(kTileRows, m - i);
+        for (int64_t p = g0; p < g1; ++p) {
+          tile_rows<kBits>(group_panels[p - g0], x, i, rows, d.k, sums);
+          const int64_t n0 = p * kPanelCols, cols = std::min(kPanelCols, n_out - n0);
+          for (int64_t r = 0; r < rows; ++r) store_row(sums + r * kPanelCols, 1.0f, out + (i + r) * n_out + n0, cols);
+        }
       }
     }
   });
