@@ -71,6 +71,7 @@ def _task(path, count, seed):
     return path
 
 
+@pytest.mark.slow  # 45 s; the tiny model's training against peft stays in CI
 def test_smollm2_trained_without_its_instruction_serves_as_peft_merges(smollm2_path, tmp_path):
     report = train_adapter(TrainSettings(model=str(smollm2_path), data=str(_task(tmp_path / "task.jsonl", 24, 0)),
                                          out=str(tmp_path / "ad"), drop=[INSTRUCTION], epochs=1, batch_tokens=384,

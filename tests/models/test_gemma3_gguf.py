@@ -19,6 +19,7 @@ def gemma_path():
     return resolve_model("gemma3-270m")
 
 
+@pytest.mark.slow  # 116 s, most of it transformers reading the GGUF; test_parity's tiny gemma3_text stays in CI
 def test_gemma3_270m_matches_transformers(gemma_path):
     llm = LLM(str(gemma_path), dtype="float32", max_num_batched_tokens=256)
     assert llm.engine.model_config.layer_windows.count(512) == 15  # 5 of every 6 of its 18 layers slide

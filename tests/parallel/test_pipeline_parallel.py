@@ -37,8 +37,9 @@ def test_stages_give_the_single_process_tokens(tmp_path, arch, overrides, stages
 
 
 @pytest.mark.parametrize("arch,parallel", [
-    ("llama", {}), ("qwen2", {}), ("qwen3", {}),
-    ("mixtral", {"enable_expert_parallel": True}),  # a stage's experts shared out over its 2 ranks
+    ("llama", {}),  # the other families, 20 s each, in -m slow: tp and ep cover them on their own
+    pytest.param("qwen2", {}, marks=pytest.mark.slow), pytest.param("qwen3", {}, marks=pytest.mark.slow),
+    pytest.param("mixtral", {"enable_expert_parallel": True}, marks=pytest.mark.slow),  # a stage's experts on 2 ranks
 ])
 def test_stages_of_tensor_parallel_ranks_give_the_single_process_tokens(tmp_path, arch, parallel):
     """tp=2 x pp=2: four processes; each stage a group of its own, its rank 0 passing the steps to its peer."""

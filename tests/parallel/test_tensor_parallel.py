@@ -170,6 +170,7 @@ def _real_model_ranks_match(path, ranks: int) -> None:
             assert (ours - theirs).abs().max().item() <= LOGIT_ATOL
 
 
+@pytest.mark.slow  # 39 s; the tiny models' three-rank cases above stay in CI
 def test_smollm2_on_three_ranks(smollm2_path):
     """9 heads and 3 KV heads: one KV head, three query heads and a third of the vocabulary a rank."""
     _real_model_ranks_match(smollm2_path, 3)
