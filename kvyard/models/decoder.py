@@ -32,14 +32,14 @@ from kvyard.quant.qlinear import make_linear
 from kvyard.quant.qtensor import QuantizedTensor
 
 
-def _fusable(x: torch.Tensor) -> bool:
+def fusable(x: torch.Tensor) -> bool:
     """Whether kvyard's fused CPU kernels take this activation (2-D, dense, fp32 or bf16, on CPU)."""
     return (x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
             and x.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if _fusable(x) and weight.dtype == x.dtype:
+    if fusable(x) and weight.dtype == x.dtype:
         return torch.ops.kvyard.rms_norm(x, weight, eps)
     # Same order of operations as HF: normalise in fp32, cast back, then scale. F.rms_norm does the
     # fp32 part (x * rsqrt(mean(x^2) + eps)) in one call instead of five.
@@ -49,14 +49,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x += delta in place (the residual stream, rounded once as HF's x = x + y), then rms_norm(x)."""
-    if _fusable(x) and delta.is_contiguous() and delta.dtype == x.dtype == weight.dtype:
+    if fusable(x) and delta.is_contiguous() and delta.dtype == x.dtype == weight.dtype:
         return torch.ops.kvyard.add_rms_norm_(x, delta, weight, eps)
     return rms_norm(x.add_(delta), weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for the fused gate|up projection's output [rows, 2 * intermediate]."""
-    if _fusable(gate_up):
+    if fusable(gate_up):
         return torch.ops.kvyard.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
@@ -313,7 +313,7 @@ class DecoderModel:
         if layer.qk_scale is not None:
             qk.mul_(layer.qk_scale)
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
-        if _fusable(h) and (cache.quantized or cache.k.dtype == qkv.dtype):
+        if fusable(h) and (cache.quantized or cache.k.dtype == qkv.dtype):
             torch.ops.kvyard.rope_write_kv_(qkv, cos, sin, heads, kv_heads, cache.k, cache.v, cache.k_scale,
                                             cache.v_scale, meta.slot_mapping)
         else:

@@ -160,6 +160,16 @@ def test_silu_mul_matches_torch(dtype):
                                rtol=_rtol(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul_matches_torch(dtype):
+    gate_up = (torch.randn(7, 2 * 96) * 6).to(dtype)  # both tails: gelu's zero and its identity
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.gelu(gate, approximate="tanh") * up  # the activation rounded to dtype first, as here
+    torch.testing.assert_close(torch.ops.kvyard.gelu_tanh_mul(gate_up), expected, atol=1e-5, rtol=_rtol(dtype))
+    with pytest.raises(RuntimeError, match="supports float32 and bfloat16"):
+        torch.ops.kvyard.gelu_tanh_mul(gate_up.double())
+
+
 def test_norm_and_silu_reject_bad_shapes():
     with pytest.raises(RuntimeError, match="weight must be"):
         torch.ops.kvyard.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)

@@ -72,20 +72,30 @@ at::Tensor norm_impl(const at::Tensor& x, const std::optional<at::Tensor>& delta
 
 // g[i] = silu(g[i]) * u[i], silu rounded to T first as F.silu's output is. (A function of its own with
 // __restrict pointers: inlined into the row loop, the compiler could not prove g and u apart.)
-template <typename T>
-void silu_times(float* __restrict g, const float* __restrict u, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) g[i] = round_as<T>(g[i] / (1.0f + fast_exp(-g[i]))) * u[i];
+// The gated MLPs' activations, both x * sigmoid(z): silu's z is x; gelu-tanh's 0.5 x (1 + tanh(y)) is
+// x * sigmoid(2y), with y = sqrt(2 / pi) (x + 0.044715 x^3).
+enum class Gate { kSilu, kGeluTanh };
+
+template <Gate A>
+inline float sigmoid_arg(float x) {
+  if constexpr (A == Gate::kSilu) return x;
+  else return 1.5957691216057308f * (x + 0.044715f * x * x * x);
 }
 
-template <typename T>
-void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
+template <typename T, Gate A>
+void gate_times(float* __restrict g, const float* __restrict u, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) g[i] = round_as<T>(g[i] / (1.0f + fast_exp(-sigmoid_arg<A>(g[i])))) * u[i];
+}
+
+template <typename T, Gate A>
+void gate_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, row_grain(inter), [&](int64_t begin, int64_t end) {
     std::vector<float> g(inter), u(inter);
     for (int64_t r = begin; r < end; ++r) {
       load_row(gate_up + r * 2 * inter, 1.0f, g.data(), inter);
       load_row(gate_up + r * 2 * inter + inter, 1.0f, u.data(), inter);
-      silu_times<T>(g.data(), u.data(), inter);
+      gate_times<T, A>(g.data(), u.data(), inter);
       store_row(g.data(), 1.0f, out + r * inter, inter);
     }
   });
@@ -105,21 +115,28 @@ at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& delta, const at::Tensor
   return norm_impl(x, delta, weight, eps);
 }
 
-// silu(gate_up[:, :I]) * gate_up[:, I:] for the fused gate|up projection's output [rows, 2I].
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+template <Gate A>
+at::Tensor gate_mul(const at::Tensor& gate_up, const char* name) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be a contiguous [rows, 2 * intermediate] matrix");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, inter}, gate_up.options());
   if (gate_up.scalar_type() == at::kFloat) {
-    silu_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
+    gate_mul_rows<float, A>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
   } else if (gate_up.scalar_type() == at::kBFloat16) {
-    silu_mul_rows<at::BFloat16>(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter);
+    gate_mul_rows<at::BFloat16, A>(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter);
   } else {
-    TORCH_CHECK(false, "silu_mul supports float32 and bfloat16, got ", gate_up.scalar_type());
+    TORCH_CHECK(false, name, " supports float32 and bfloat16, got ", gate_up.scalar_type());
   }
   return out;
 }
+
+// silu(gate_up[:, :I]) * gate_up[:, I:] for the fused gate|up projection's output [rows, 2I].
+at::Tensor silu_mul(const at::Tensor& gate_up) { return gate_mul<Gate::kSilu>(gate_up, "silu_mul"); }
+
+// gelu-tanh(gate_up[:, :I]) * gate_up[:, I:] (Gemma's MLP), the activation rounded to the dtype before the product
+// as PyTorch's two ops round it.
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) { return gate_mul<Gate::kGeluTanh>(gate_up, "gelu_tanh_mul"); }
 
 }  // namespace kvyard::ops
 
@@ -127,10 +144,12 @@ TORCH_LIBRARY_FRAGMENT(kvyard, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvyard, CPU, m) {
   m.impl("rms_norm", &kvyard::ops::rms_norm);
   m.impl("add_rms_norm_", &kvyard::ops::add_rms_norm_);
   m.impl("silu_mul", &kvyard::ops::silu_mul);
+  m.impl("gelu_tanh_mul", &kvyard::ops::gelu_tanh_mul);
 }

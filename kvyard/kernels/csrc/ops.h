@@ -32,6 +32,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& delta, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up);
 void lora_bgmv_(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
                 const at::Tensor& slots, int64_t rank, const at::Tensor& used, at::IntArrayRef part_offsets);
 void rope_write_kv_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t kv_heads,
