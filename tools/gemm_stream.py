@@ -110,9 +110,9 @@ def dynamic_quant_forms(dense: list[torch.Tensor]) -> dict[str, list[Matmul]]:
         raise SystemExit("--dynamic-quant needs kvyard's AVX2 kernels, which this CPU or build lacks")
     forms: dict[str, list[Matmul]] = {}
     for scheme in ("int4-g32", "int8"):
-        exact = [PlainLowBitLinear(quantized(d, scheme)) for d in dense]
-        forms[f"{scheme} int8-activations"] = [PlainLowBitLinear(quantized(d, scheme), int8_activations=True).kernel
-                                               for d in dense]
+        qts = [quantized(d, scheme) for d in dense]  # one rounding for all three forms
+        exact = [PlainLowBitLinear(qt) for qt in qts]
+        forms[f"{scheme} int8-activations"] = [PlainLowBitLinear(qt, int8_activations=True).kernel for qt in qts]
         forms[f"{scheme} portable"] = [w.kernel for w in exact]
         forms[f"{scheme} fp32 GEMM"] = [lambda x, w=w: dequantized_linear(w, x) for w in exact]
     return forms
@@ -139,16 +139,17 @@ def rate(seconds: float, flops: int, bf16_bytes: int, prefill: bool) -> str:
 
 def main() -> None:
     torch.set_num_threads(2)
-    lowbit, hot, prefill, pages, dq = (f"--{m}" in sys.argv for m in ("lowbit", "hot", "prefill", "pages", "dynamic-quant"))
+    modes = ("lowbit", "hot", "prefill", "pages", "dynamic-quant")
+    lowbit, hot, prefill, pages, dq = (f"--{m}" in sys.argv for m in modes)
     prefill = prefill or dq  # one layer of each shape, compute-bound
     layer, head, layers = (QWEN_SHAPES, QWEN_HEAD, QWEN_LAYERS) if "--qwen" in sys.argv else (SHAPES, HEAD, 30)
     shapes = layer if hot or prefill else layer * layers + ([] if lowbit or pages else [head])
     dense = [torch.randn(o, i) for o, i in shapes]
-    forms = (dynamic_quant_forms(dense) if dq else prefill_forms(dense) if prefill else lowbit_forms(dense) if lowbit else paged_forms(dense) if pages
-             else bf16_forms(dense))
+    forms = (dynamic_quant_forms(dense) if dq else prefill_forms(dense) if prefill else lowbit_forms(dense) if lowbit
+             else paged_forms(dense) if pages else bf16_forms(dense))
     bf16_bytes = sum(d.numel() * 2 for d in dense)
-    row_counts = ((2, 8, 32, 256, 2048) if dq else (48, 128, 512) if prefill else (32, 64, 128, 512, 2048) if hot else (1, 32) if lowbit else (1,) if pages
-                  else (1, 16, 32, 64))
+    row_counts = ((2, 8, 32, 256, 2048) if dq else (48, 128, 512) if prefill else (32, 64, 128, 512, 2048) if hot
+                  else (1, 32) if lowbit else (1,) if pages else (1, 16, 32, 64))
     for rows in row_counts:
         xs = {i: torch.randn(rows, i, dtype=torch.bfloat16) for i in {i for _, i in layer}}
         times: dict[str, list[float]] = {name: [] for name in forms}

@@ -23,7 +23,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <vector>
 
 #include "lowbit_layout.h"
@@ -198,12 +197,13 @@ void panel_tile(const Panel& p, const Int8Rows& x, int64_t i, int64_t k, float* 
       }
     }
     const __m256 scale = _mm256_loadu_ps(p.scale.data() + run * kPanelCols);
+    const bool shifted = !p.shift.empty();
+    const __m256 shift = shifted ? _mm256_loadu_ps(p.shift.data() + run * kPanelCols) : _mm256_setzero_ps();
     for (int r = 0; r < kRows; ++r) {
       const int64_t at = (i + r) * x.runs + run;
       const __m256i d = kBits == 4 ? _mm256_madd_epi16(dots[r], ones) : dots[r];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(scale, _mm256_set1_ps(x.step[at])), acc[r]);
-      if (!p.shift.empty())
-        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(p.shift.data() + run * kPanelCols), _mm256_set1_ps(x.total[at]), acc[r]);
+      if (shifted) acc[r] = _mm256_fmadd_ps(shift, _mm256_set1_ps(x.total[at]), acc[r]);
     }
   }
   for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(sums + r * kPanelCols, acc[r]);
