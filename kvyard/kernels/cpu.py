@@ -22,7 +22,8 @@ _SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "norm_act.cpp", _CSRC / "rop
             _CSRC / "dpbf16_linear.cpp", _CSRC / "vnni_lowbit.cpp", _CSRC / "decode_stack.cpp",
             _CSRC / "lora.cpp", _CSRC / "lowbit_int8_act.cpp"]
 _HEADERS = [_CSRC / "vec.h", _CSRC / "amx.h", _CSRC / "widened_rows.h", _CSRC / "ops.h", _CSRC / "vnni_blocks.h",
-            _CSRC / "lowbit_layout.h"]
+            _CSRC / "lowbit_layout.h", _CSRC / "attention_lanes.h",
+            _CSRC / "attend_tile.h"]
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 
@@ -59,6 +60,14 @@ def int8_act_available() -> bool:
     return available() and bool(torch.ops.kvyard.lowbit_int8_act_available())
 
 
+def prompt_attention_tiles(head_dim: int, group: int) -> bool:
+    """True when a prompt's tokens can be attended as rows of torch.ops.kvyard.paged_decode_attention, tiled
+    (csrc/attend_tile.h): the kernels are loaded with their register path for this head size and query heads per KV
+    head, and KVYARD_PROMPT_TILES is not 0 (which keeps SDPA for the prompts of the default path)."""
+    return (available() and _enabled_by_env("KVYARD_PROMPT_TILES")
+            and bool(torch.ops.kvyard.paged_attention_tiles(head_dim, group)))
+
+
 def decode_stack_enabled() -> bool:
     """Whether decode steps may run their layers in one C++ call (kvyard/models/decode_stack.py);
     KVYARD_DECODE_STACK=0 keeps the layer-by-layer path."""
@@ -78,7 +87,7 @@ def dpbf16_available() -> bool:
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-ffp-contract=off"]
 _OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_write_kv_", "amx_linear",
         "amx_linear_lowbit", "lowbit_linear", "lowbit_dequantize", "linear_bf16", "dpbf16_linear",
-        "dpbf16_linear_f32", "vnni_lowbit_linear", "lowbit_linear_i8")
+        "dpbf16_linear_f32", "vnni_lowbit_linear", "lowbit_linear_i8", "paged_attention_tiles")
 
 
 # A build takes about 40 s here. torch's build lock is a bare file that a killed build leaves behind, and

@@ -102,6 +102,24 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_threads():
         torch.set_num_threads(threads)
 
 
+# A prompt's tokens as rows of one call, each over its own prefix through the prompt's one block table (the
+# batch-invariant path's prefill): rows sharing a table are attended in tiles, and each must equal, to the bit,
+# the row attended alone as a decode step attends it. Lengths cross the 512-position chunks and end mid-block
+# and mid-group-of-four; a decode row of another sequence sits between two runs of the prompt's rows.
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (14, 2, 64), (12, 2, 128), (8, 8, 64)])
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_prompts_rows_sharing_a_table_equal_each_row_alone(int8, heads, kv_heads, d):
+    q, cache, blocks, lens = _case(torch.bfloat16, int8, heads, kv_heads, d, block_size=16, lens=(1030, 77))
+    prompt = list(range(490, 530)) + list(range(1003, 1030))
+    rows = torch.tensor([0] * 20 + [1] + [0] * (len(prompt) - 20))
+    lens = torch.tensor(prompt[:20] + [77] + prompt[20:])
+    q = torch.randn(len(rows), heads, d, generator=torch.Generator().manual_seed(1)).bfloat16()
+    batched = _kernel(q, cache, blocks[rows], lens, block_size=16)
+    for i in range(len(rows)):
+        alone = _kernel(q[i : i + 1], cache, blocks[rows[i : i + 1]], lens[i : i + 1], block_size=16)
+        assert torch.equal(alone[0], batched[i]), i
+
+
 def test_padding_entries_of_the_table_are_never_read():
     q, cache, blocks, lens = _case(torch.float32, False, 4, 2, 16, lens=(3, 9))
     before = _kernel(q, cache, blocks, lens)

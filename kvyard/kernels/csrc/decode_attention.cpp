@@ -7,134 +7,22 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+#include "attend_tile.h"
+#include "attention_lanes.h"
 #include "ops.h"
 #include "vec.h"
-
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
 using namespace kvyard;
 
-// The part of every slot that a walk reads: `bytes` from `offset` within slots `stride` bytes apart.
-struct SlotSpan {
-  const char* base;
-  int64_t stride, offset, bytes;
-};
-
-// Asks for the span of every slot of block `b` of a row's table, into L2 (_MM_HINT_T2): a request into L1 holds a
-// fill buffer until its line arrives, and a block's 32 lines at once left the walk stalled on them; at 32 rows of
-// ~280 tokens, 30 SmolLM2 layers' attention took 0.92x the time (random pool, 483-496 against 530-538 us a layer).
-inline void prefetch_block(const int64_t* table, int64_t b, int64_t block_size, const SlotSpan& span) {
-  const char* first = span.base + table[b] * block_size * span.stride + span.offset;
-  for (int64_t j = 0; j < block_size; ++j)
-    for (int64_t off = 0; off < span.bytes; off += 64) __builtin_prefetch(first + j * span.stride + off, 0, 1);
-}
-
-// Blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at every block edge: the
-// walk asks for its first kBlocksAhead blocks at once, then for the block that far ahead of the one it
-// computes. Against one block ahead and none at the start: 0.93x of the time over SmolLM2's 30 layers at
-// 32 rows of ~175 tokens (alternating microbenchmark); two ahead without the start: 1.03x.
-constexpr int64_t kBlocksAhead = 4;
-
-// Calls f(position, slot) for positions 0 .. len-1 of a row, walking its block table block by block; given f4,
-// f4(position, slot) takes four positions at once (slots slot .. slot + 3: a block's slots are consecutive) and f
-// the rest of each block. (A plain function does the prefetching: a lambda here kept GCC from inlining f, at 1.8x
-// the time.)
-template <typename F, typename F4 = std::nullptr_t>
-inline void for_each_token(const int64_t* table, int64_t len, int64_t block_size, const SlotSpan& span, F&& f,
-                           F4&& f4 = nullptr) {
-  const int64_t blocks = (len + block_size - 1) / block_size;
-  for (int64_t b = 0; b < std::min(kBlocksAhead, blocks); ++b) prefetch_block(table, b, block_size, span);
-  for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
-    if (b + kBlocksAhead < blocks) prefetch_block(table, b + kBlocksAhead, block_size, span);
-    const int64_t base = table[b] * block_size, n = std::min(block_size, len - t0);
-    int64_t j = 0;
-    if constexpr (!std::is_same_v<std::decay_t<F4>, std::nullptr_t>)
-      for (; j + 4 <= n; j += 4) f4(t0 + j, base + j);
-    for (; j < n; ++j) f(t0 + j, base + j);
-  }
-}
-
-// p + n, or null where p is (a row's chunk scratch, absent unless its context is cut into chunks).
-inline float* offset(float* p, int64_t n) { return p == nullptr ? nullptr : p + n; }
-
-// Where one query head's result goes: `acc` (the sum of exp(score - max) * v) scaled by inv_sum and rounded into
-// out, or, for one chunk of a long context (partial not null), kept in fp32 as {max, sum, acc} for merge_chunks.
-template <typename Q>
-inline void finish_head(const float* acc, float max, float inv_sum, Q* out, float* partial, int64_t d) {
-  if (partial == nullptr) {
-    store_row(acc, inv_sum, out, d);
-    return;
-  }
-  partial[0] = max;
-  partial[1] = 1.0f / inv_sum;
-  std::copy(acc, acc + d, partial + 2);
-}
-
-// The register width the hot path below is written against: AVX-512's 16 lanes or AVX2's 8, whichever this
-// machine compiles for (one definition of the kernel serves both).
-#if defined(__AVX512F__)
-#define KVYARD_HEAD_KERNEL 1
-struct Lanes {
-  using V = __m512;
-  static constexpr int kWidth = 16;
-  // kWidth cached values -> floats: bf16 is the top half of a float; int8 is scaled by its (token, head) scale.
-  static V load(const uint16_t* p, float) { return load_bf16x16(p); }
-  static V load(const int8_t* p, float scale) {
-    const V x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-    return _mm512_mul_ps(x, _mm512_set1_ps(scale));
-  }
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(V a) { return _mm512_reduce_add_ps(a); }
-  // [sum(a0), sum(a1), sum(a2), sum(a3)]: each folded to 8 lanes, then vec.h's shuffle tree for four
-  static __m128 sum4(V a0, V a1, V a2, V a3) {
-    auto fold = [](V a) {
-      return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-    };
-    return kvyard::sum4(fold(a0), fold(a1), fold(a2), fold(a3));
-  }
-  static void store(float* p, V a) { _mm512_store_ps(p, a); }
-};
-#elif defined(__AVX2__) && defined(__FMA__)
-#define KVYARD_HEAD_KERNEL 1
-struct Lanes {
-  using V = __m256;
-  static constexpr int kWidth = 8;
-  static V load(const uint16_t* p, float) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
-        reinterpret_cast<const __m128i*>(p))), 16));
-  }
-  static V load(const int8_t* p, float scale) {
-    const V x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-    return _mm256_mul_ps(x, _mm256_set1_ps(scale));
-  }
-  static V set1(float x) { return _mm256_set1_ps(x); }
-  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(V a) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-  }
-  static __m128 sum4(V a0, V a1, V a2, V a3) { return kvyard::sum4(a0, a1, a2, a3); }
-  static void store(float* p, V a) { _mm256_store_ps(p, a); }
-};
-#endif
-
 #ifdef KVYARD_HEAD_KERNEL
-using V = Lanes::V;
-constexpr int kLanes = Lanes::kWidth;
-
 // The hot path for bf16 queries over a bf16 or int8 cache: one KV head and its G query heads, head_dim D,
 // with the queries and the G x D output accumulators held in registers for the whole walk over the
 // context (the generic loop keeps them in memory and converts through a buffer). Same arithmetic as the
@@ -147,22 +35,15 @@ void attend_head(const uint16_t* q, const C* k, const C* v, const float* k_scale
   constexpr int64_t row_bytes = D * sizeof(C);
   const SlotSpan k_span{reinterpret_cast<const char*>(k), kv_heads * row_bytes, head * row_bytes, row_bytes};
   const SlotSpan v_span{reinterpret_cast<const char*>(v), kv_heads * row_bytes, head * row_bytes, row_bytes};
-  const V vscale = Lanes::set1(scale);
   V qv[G][NV];
-  for (int g = 0; g < G; ++g)
-    for (int i = 0; i < NV; ++i) qv[g][i] = Lanes::mul(Lanes::load(q + g * D + i * kLanes, 1.0f), vscale);
+  for (int g = 0; g < G; ++g) scaled_query<NV>(q + g * D, scale, qv[g]);
   // This head's row of a cache at `slot`, as NV vectors of fp32.
   auto load_slot = [&](const C* cache, const float* scales, int64_t slot, V* row) {
     const int64_t at = slot * kv_heads + head;
     const float s = scales ? scales[at] : 1.0f;
     for (int i = 0; i < NV; ++i) row[i] = Lanes::load(cache + at * D + i * kLanes, s);
   };
-  // q . k of one token for query head g, as lanes still to be summed
-  auto lanes_of = [&](int g, const V* kv) {
-    V acc = Lanes::mul(qv[g][0], kv[0]);
-    for (int i = 1; i < NV; ++i) acc = Lanes::fmadd(qv[g][i], kv[i], acc);
-    return acc;
-  };
+  auto lanes_of = [&](int g, const V* kv) { return score_lanes<NV>(qv[g], kv); };
   // Four tokens' lanes are summed together: one shuffle tree for four, where a horizontal sum each took most of
   // the score loop's instructions (attention at 32 rows of ~280 tokens: see BENCHMARKS.md, session 19).
   auto score4 = [&](int64_t t, int64_t slot) {
@@ -193,17 +74,7 @@ void attend_head(const uint16_t* q, const C* k, const C* v, const float* k_scale
       for (int i = 0; i < NV; ++i) acc[g][i] = Lanes::fmadd(p, vv[i], acc[g][i]);
     }
   });
-  for (int g = 0; g < G; ++g) {
-    alignas(64) float row[D];
-    if (partial != nullptr) {  // a chunk: {max, sum, acc} kept in fp32 (finish_head)
-      for (int i = 0; i < NV; ++i) Lanes::store(row + i * kLanes, acc[g][i]);
-      finish_head(row, max[g], inv_sum[g], reinterpret_cast<at::BFloat16*>(out + g * D), partial + g * (D + 2), D);
-      continue;
-    }
-    // the whole context: scaled by 1 / sum in registers, then rounded
-    for (int i = 0; i < NV; ++i) Lanes::store(row + i * kLanes, Lanes::mul(acc[g][i], Lanes::set1(inv_sum[g])));
-    store_row(row, 1.0f, reinterpret_cast<at::BFloat16*>(out + g * D), D);
-  }
+  for (int g = 0; g < G; ++g) finish_lanes<D>(acc[g], max[g], inv_sum[g], out + g * D, offset(partial, g * (D + 2)));
 }
 
 template <typename C>
@@ -322,6 +193,34 @@ void merge_chunks(const float* partial, int64_t chunks, int64_t stride, int64_t 
 // does not depend on what it is batched with (speculative decoding and batching must not change outputs).
 constexpr int64_t kChunkTokens = 512;
 
+// Rows of the call that share a block table (a prompt's tokens, each a row, on the batch-invariant path) are
+// attended in tiles of up to kTileRows by attend_tile, for bf16 queries where attend_head would serve them.
+template <typename Q, typename C>
+struct Tiles {
+#ifdef KVYARD_HEAD_KERNEL
+  static constexpr bool kRegister = std::is_same_v<Q, at::BFloat16> && !std::is_same_v<C, float>;
+  using Raw = std::conditional_t<std::is_same_v<C, at::BFloat16>, uint16_t, C>;  // the cache as attend_tile reads it
+  TileKernel<Raw> kernel = nullptr;
+  Tiles(int64_t d, int64_t group) {
+    if constexpr (kRegister) kernel = tile_kernel<Raw>(d, group);
+  }
+#else
+  Tiles(int64_t, int64_t) {}
+#endif
+  bool on() const {
+#ifdef KVYARD_HEAD_KERNEL
+    return kernel != nullptr;
+#else
+    return false;
+#endif
+  }
+};
+
+// A work item: a chunk of one row's context for KV heads [h0, h1), or of a tile's rows for one KV head.
+struct WorkItem {
+  int64_t tile, chunk, h0, h1;
+};
+
 template <typename Q, typename C>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const float* k_scale, const float* v_scale, const at::Tensor& table,
@@ -334,42 +233,82 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const C* vp = v.data_ptr<C>();
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  // A work item is a chunk of a row's context (the whole context unless it is long) for all its KV heads when
-  // there are rows enough to keep every thread busy, else for one KV head.
+  const Tiles<Q, C> tiles(d, group);
+  // A lone row's item covers all its KV heads when there are rows enough to keep every thread busy, else one.
   const int64_t split = rows >= 2 * at::get_num_threads() ? 1 : kv_heads;
   const int64_t per_item = kv_heads / split;
   const int64_t chunk_blocks = std::max<int64_t>(1, kChunkTokens / block_size), chunk_len = chunk_blocks * block_size;
-  std::vector<int64_t> first_chunk(rows + 1, 0), chunk_row;  // chunk_row[c]: the row of chunk c
-  std::vector<int64_t> first_partial(rows, -1);             // where a chunked row's {max, sum, acc} start
+  auto chunks_of = [&](int64_t r) { return std::max<int64_t>(1, (lp[r] + chunk_len - 1) / chunk_len); };
+  std::vector<int64_t> tile_first{0}, first_partial(rows, -1);  // where a chunked row's {max, sum, acc} start
   int64_t partials = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t chunks = std::max<int64_t>(1, (lp[r] + chunk_len - 1) / chunk_len);
-    first_chunk[r + 1] = first_chunk[r] + chunks;
-    chunk_row.insert(chunk_row.end(), chunks, r);
-    if (chunks > 1) {
+    if (r > 0 && !(tiles.on() && r - tile_first.back() < kTileRows &&
+                   std::equal(tp + r * width, tp + (r + 1) * width, tp + (r - 1) * width)))
+      tile_first.push_back(r);
+    if (chunks_of(r) > 1) {
       first_partial[r] = partials;
-      partials += chunks * heads * (d + 2);
+      partials += chunks_of(r) * heads * (d + 2);
     }
   }
+  tile_first.push_back(rows);
+  std::vector<WorkItem> items;
+  for (int64_t t = 0; t + 1 < static_cast<int64_t>(tile_first.size()); ++t) {
+    const int64_t first = tile_first[t], count = tile_first[t + 1] - first;
+    const int64_t chunks = chunks_of(std::max_element(lp + first, lp + first + count) - lp);  // its longest row's
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t s = 0; s < (count == 1 ? split : kv_heads); ++s)
+        items.push_back(count == 1 ? WorkItem{t, c, s * per_item, (s + 1) * per_item} : WorkItem{t, c, s, s + 1});
+  }
   std::vector<float> scratch(partials);
-  at::parallel_for(0, first_chunk[rows] * split, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t chunk = item / split, r = chunk_row[chunk], c = chunk - first_chunk[r];
-      const int64_t h0 = (item % split) * per_item, t0 = c * chunk_len;
-      float* partial = first_partial[r] < 0 ? nullptr
-                                             : scratch.data() + first_partial[r] + (c * heads + h0 * group) * (d + 2);
-      attend_row<Q, C>(qp + r * q_row + h0 * group * d, kp, vp, k_scale, v_scale, tp + r * width + c * chunk_blocks,
-                       std::min(chunk_len, lp[r] - t0), block_size, kv_heads, h0, h0 + per_item, group, d,
-                       static_cast<float>(scale), op + (r * heads + h0 * group) * d, partial, buf);
+  auto partial_of = [&](int64_t r, int64_t c, int64_t h) {
+    return first_partial[r] < 0 ? nullptr : scratch.data() + first_partial[r] + (c * heads + h * group) * (d + 2);
+  };
+  auto run = [&](const WorkItem& item, std::vector<float>& buf) {
+    const int64_t first = tile_first[item.tile], count = tile_first[item.tile + 1] - first;
+    const int64_t t0 = item.chunk * chunk_len;
+    const int64_t* chunk_table = tp + first * width + item.chunk * chunk_blocks;
+    if (count == 1) {
+      attend_row<Q, C>(qp + first * q_row + item.h0 * group * d, kp, vp, k_scale, v_scale, chunk_table,
+                       std::min(chunk_len, lp[first] - t0), block_size, kv_heads, item.h0, item.h1, group, d,
+                       static_cast<float>(scale), op + (first * heads + item.h0 * group) * d,
+                       partial_of(first, item.chunk, item.h0), buf);
+      return;
     }
-  });
+#ifdef KVYARD_HEAD_KERNEL
+    if constexpr (Tiles<Q, C>::kRegister) {
+      using Raw = typename Tiles<Q, C>::Raw;
+      TileRows tile;
+      for (int64_t r = first; r < first + count; ++r) {
+        if (lp[r] <= t0) continue;  // a shorter row's context ends before this chunk
+        tile.q[tile.count] = reinterpret_cast<const uint16_t*>(qp + r * q_row + item.h0 * group * d);
+        tile.len[tile.count] = std::min(chunk_len, lp[r] - t0);
+        tile.out[tile.count] = reinterpret_cast<uint16_t*>(op + (r * heads + item.h0 * group) * d);
+        tile.partial[tile.count++] = partial_of(r, item.chunk, item.h0);
+      }
+      tiles.kernel(tile, group, reinterpret_cast<const Raw*>(kp), reinterpret_cast<const Raw*>(vp), k_scale, v_scale,
+                   chunk_table, block_size, kv_heads, item.h0, static_cast<float>(scale), buf);
+    }
+#endif
+  };
+  if (tile_first.size() == static_cast<size_t>(rows) + 1) {  // no tiles: items in order, split evenly
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf;
+      for (int64_t i = begin; i < end; ++i) run(items[i], buf);
+    });
+  } else {  // a prompt's tiles grow with their position: each thread takes the next item, the longest first
+    std::atomic<int64_t> next{0};
+    const int64_t count = static_cast<int64_t>(items.size());
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      std::vector<float> buf;
+      for (int64_t i = next++; i < count; i = next++) run(items[count - 1 - i], buf);
+    });
+  }
   std::vector<float> acc;
   for (int64_t r = 0; r < rows; ++r) {
     if (first_partial[r] < 0) continue;
     for (int64_t j = 0; j < heads; ++j)
-      merge_chunks(scratch.data() + first_partial[r] + j * (d + 2), first_chunk[r + 1] - first_chunk[r],
-                   heads * (d + 2), d, op + (r * heads + j) * d, acc);
+      merge_chunks(scratch.data() + first_partial[r] + j * (d + 2), chunks_of(r), heads * (d + 2), d,
+                   op + (r * heads + j) * d, acc);
   }
 }
 
@@ -418,9 +357,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// Whether rows sharing a block table are attended in tiles (attend_tile.h) for this head size and group: bf16
+// queries over a bf16 or int8 cache, on a CPU this build has the register kernels for.
+bool paged_attention_tiles(int64_t head_dim, int64_t group) {
+#ifdef KVYARD_HEAD_KERNEL
+  return tile_kernel<uint16_t>(head_dim, group) != nullptr;
+#else
+  return false;
+#endif
+}
+
 }  // namespace kvyard::ops
 
 TORCH_LIBRARY_FRAGMENT(kvyard, m) {
+  m.def("paged_attention_tiles(int head_dim, int group) -> bool", &kvyard::ops::paged_attention_tiles);
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
         "Tensor block_table, Tensor seq_lens, int block_size, float scale) -> Tensor");
 }
