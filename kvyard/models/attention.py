@@ -187,8 +187,8 @@ def paged_attention(
 def prompt_tokens_as_rows(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata) -> bool:
     """Whether this step's prompt chunks go to the decode kernel, every token a row over its own prefix, as on the
     batch-invariant path: where the kernel tiles a prompt's rows (csrc/attend_tile.h), bf16 over a bf16 cache on
-    CPU, full attention. It took SDPA's place there at 0.45x its time for 128- and 512-token prompts and 0.88x
-    at 2,048 (SmolLM2's heads, 2-core AMD EPYC Zen 3), and it makes a prompt token's attention the same whatever
+    CPU, full attention. It took SDPA's place there at 0.38-0.57x its time for 128- to 512-token prompts, level
+    at 2,048 (SmolLM2's heads, 2-core AMD EPYC Zen 3; BENCHMARKS.md), and it makes a prompt token's attention the same whatever
     the chunking and the prefix cache. fp32 keeps SDPA, as HF computes it; an int8 cache keeps SDPA over the
     chunk's own unrounded K/V."""
     if q.device.type != "cpu" or q.dtype != torch.bfloat16 or cache.k.dtype != torch.bfloat16:
