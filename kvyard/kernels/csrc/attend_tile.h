@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "attention_lanes.h"
@@ -13,7 +14,6 @@ namespace kvyard {
 // Rows attended together where they share a block table (attend_tile).
 constexpr int64_t kTileRows = 16;
 
-#ifdef KVYARD_HEAD_KERNEL
 // The rows of a tile: consecutive rows of the call that share one block table (a prompt's tokens on the
 // batch-invariant path, each attending to its own prefix), within one chunk of their context.
 struct TileRows {
@@ -24,6 +24,11 @@ struct TileRows {
   float* partial[kTileRows];     // null unless the row's context is cut into chunks
 };
 
+template <typename C>
+using TileKernel = void (*)(const TileRows&, int64_t, const C*, const C*, const float*, const float*, const int64_t*,
+                            int64_t, int64_t, int64_t, float, std::vector<float>&);
+
+#ifdef KVYARD_HEAD_KERNEL
 // Positions of context widened at a time: 64 K (or V) rows of 64 fp32 values are 16 KB, which stay in L1 while
 // every row and query head of the tile takes them. (Widening a whole 512-position chunk at once left each
 // (row, head) streaming 256 KB from L2 per pass: 28-64 cycles per row, head and position on a Zen 3 EPYC.)
@@ -42,11 +47,11 @@ void attend_tile(const TileRows& rows, int64_t group, const C* k, const C* v, co
                  float scale, std::vector<float>& buf) {
   constexpr int NV = D / kLanes;
   constexpr int64_t row_bytes = D * sizeof(C);
-  const int64_t n = *std::max_element(rows.len, rows.len + rows.count), heads = rows.count * group;
+  const int64_t n = *std::max_element(rows.len, rows.len + rows.count), pairs = rows.count * group;  // (row, query head)
   const int64_t span = std::max<int64_t>(1, kSpanBytes / (D * 4) / block_size) * block_size;
-  buf.resize(span * D + heads * (n + 2 * D + 2));
-  float *widened = buf.data(), *scores = widened + span * D, *qs = scores + heads * n, *accs = qs + heads * D;
-  float *max = accs + heads * D, *inv_sum = max + heads;
+  buf.resize(span * D + pairs * (n + 2 * D + 2));
+  float *widened = buf.data(), *scores = widened + span * D, *qs = scores + pairs * n, *accs = qs + pairs * D;
+  float *max = accs + pairs * D, *inv_sum = max + pairs;
   auto widen = [&](const C* cache, const float* scales, int64_t s0, int64_t s1) {
     for (int64_t t = s0; t < s1; ++t) {
       const int64_t at = (table[t / block_size] * block_size + t % block_size) * kv_heads + head;
@@ -55,7 +60,7 @@ void attend_tile(const TileRows& rows, int64_t group, const C* k, const C* v, co
         Lanes::storeu(widened + (t - s0) * D + i * kLanes, Lanes::load(cache + at * D + i * kLanes, s));
     }
   };
-  for (int64_t h = 0; h < heads; ++h) {
+  for (int64_t h = 0; h < pairs; ++h) {
     V qv[NV];
     scaled_query<NV>(rows.q[h / group] + (h % group) * D, scale, qv);
     for (int i = 0; i < NV; ++i) Lanes::storeu(qs + h * D + i * kLanes, qv[i]);
@@ -63,7 +68,7 @@ void attend_tile(const TileRows& rows, int64_t group, const C* k, const C* v, co
   for (int64_t s0 = 0; s0 < n; s0 += span) {
     const int64_t s1 = std::min(n, s0 + span);
     widen(k, k_scale, s0, s1);
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = 0; h < pairs; ++h) {
       const int64_t len = rows.len[h / group];
       V qv[NV], a[8];
       for (int i = 0; i < NV; ++i) qv[i] = Lanes::loadf(qs + h * D + i * kLanes);
@@ -87,12 +92,12 @@ void attend_tile(const TileRows& rows, int64_t group, const C* k, const C* v, co
       }
     }
   }
-  for (int64_t h = 0; h < heads; ++h) inv_sum[h] = softmax_unnormalized(scores + h * n, rows.len[h / group], &max[h]);
-  std::fill(accs, accs + heads * D, 0.0f);
+  for (int64_t h = 0; h < pairs; ++h) inv_sum[h] = softmax_unnormalized(scores + h * n, rows.len[h / group], &max[h]);
+  std::fill(accs, accs + pairs * D, 0.0f);
   for (int64_t s0 = 0; s0 < n; s0 += span) {
     const int64_t s1 = std::min(n, s0 + span);
     widen(v, v_scale, s0, s1);
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = 0; h < pairs; ++h) {
       const float* p = scores + h * n;
       V acc[NV];
       for (int i = 0; i < NV; ++i) acc[i] = Lanes::loadf(accs + h * D + i * kLanes);
@@ -103,7 +108,7 @@ void attend_tile(const TileRows& rows, int64_t group, const C* k, const C* v, co
       for (int i = 0; i < NV; ++i) Lanes::storeu(accs + h * D + i * kLanes, acc[i]);
     }
   }
-  for (int64_t h = 0; h < heads; ++h) {
+  for (int64_t h = 0; h < pairs; ++h) {
     V acc[NV];
     for (int i = 0; i < NV; ++i) acc[i] = Lanes::loadf(accs + h * D + i * kLanes);
     finish_lanes<D>(acc, max[h], inv_sum[h], rows.out[h / group] + (h % group) * D,
@@ -111,18 +116,24 @@ void attend_tile(const TileRows& rows, int64_t group, const C* k, const C* v, co
   }
 }
 
-template <typename C>
-using TileKernel = void (*)(const TileRows&, int64_t, const C*, const C*, const float*, const float*, const int64_t*,
-                            int64_t, int64_t, int64_t, float, std::vector<float>&);
+#endif  // KVYARD_HEAD_KERNEL
 
-// Whether rows sharing a table take attend_tile: where attend_head would take them one by one.
+// The cache as attend_tile (and attend_head) read it: bf16 as its raw bits, int8 as is.
 template <typename C>
-TileKernel<C> tile_kernel(int64_t d, int64_t group) {
-  if (group < 1 || group > 8) return nullptr;
-  if (d == 64) return &attend_tile<64, C>;
-  if (d == 128) return &attend_tile<128, C>;
+using RawCache = std::conditional_t<std::is_same_v<C, at::BFloat16>, uint16_t, C>;
+
+// The tile kernel for bf16 queries (Q) over cache C at this head size and group, where attend_head would take the
+// rows one by one; null where there is none (fp32, other sizes, a build without the register kernels).
+template <typename Q, typename C>
+TileKernel<RawCache<C>> tile_kernel(int64_t d, int64_t group) {
+#ifdef KVYARD_HEAD_KERNEL
+  if constexpr (std::is_same_v<Q, at::BFloat16> && !std::is_same_v<C, float>) {
+    if (group < 1 || group > 8) return nullptr;
+    if (d == 64) return &attend_tile<64, RawCache<C>>;
+    if (d == 128) return &attend_tile<128, RawCache<C>>;
+  }
+#endif
   return nullptr;
 }
-#endif  // KVYARD_HEAD_KERNEL
 
 }  // namespace kvyard

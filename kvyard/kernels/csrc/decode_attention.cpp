@@ -117,7 +117,7 @@ void attend_row(const Q* q, const C* k, const C* v, const float* k_scale, const 
 #ifdef KVYARD_HEAD_KERNEL
   if constexpr (std::is_same_v<Q, at::BFloat16> && !std::is_same_v<C, float>) {
     // The cache as the fast path reads it: bf16 as its raw bits, int8 as is.
-    using Raw = std::conditional_t<std::is_same_v<C, at::BFloat16>, uint16_t, C>;
+    using Raw = RawCache<C>;
     if (HeadKernel<Raw> kernel = head_kernel<Raw>(d, group)) {
       buf.resize(group * len);
       for (int64_t h = 0; h < nh; ++h) {
@@ -193,29 +193,6 @@ void merge_chunks(const float* partial, int64_t chunks, int64_t stride, int64_t 
 // does not depend on what it is batched with (speculative decoding and batching must not change outputs).
 constexpr int64_t kChunkTokens = 512;
 
-// Rows of the call that share a block table (a prompt's tokens, each a row, on the batch-invariant path) are
-// attended in tiles of up to kTileRows by attend_tile, for bf16 queries where attend_head would serve them.
-template <typename Q, typename C>
-struct Tiles {
-#ifdef KVYARD_HEAD_KERNEL
-  static constexpr bool kRegister = std::is_same_v<Q, at::BFloat16> && !std::is_same_v<C, float>;
-  using Raw = std::conditional_t<std::is_same_v<C, at::BFloat16>, uint16_t, C>;  // the cache as attend_tile reads it
-  TileKernel<Raw> kernel = nullptr;
-  Tiles(int64_t d, int64_t group) {
-    if constexpr (kRegister) kernel = tile_kernel<Raw>(d, group);
-  }
-#else
-  Tiles(int64_t, int64_t) {}
-#endif
-  bool on() const {
-#ifdef KVYARD_HEAD_KERNEL
-    return kernel != nullptr;
-#else
-    return false;
-#endif
-  }
-};
-
 // A work item: a chunk of one row's context for KV heads [h0, h1), or of a tile's rows for one KV head.
 struct WorkItem {
   int64_t tile, chunk, h0, h1;
@@ -233,7 +210,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const C* vp = v.data_ptr<C>();
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  const Tiles<Q, C> tiles(d, group);
+  // Rows sharing a block table (a prompt's tokens, each a row) go to attend_tile, up to kTileRows at a time.
+  const TileKernel<RawCache<C>> tiles = tile_kernel<Q, C>(d, group);
   // A lone row's item covers all its KV heads when there are rows enough to keep every thread busy, else one.
   const int64_t split = rows >= 2 * at::get_num_threads() ? 1 : kv_heads;
   const int64_t per_item = kv_heads / split;
@@ -242,7 +220,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   std::vector<int64_t> tile_first{0}, first_partial(rows, -1);  // where a chunked row's {max, sum, acc} start
   int64_t partials = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    if (r > 0 && !(tiles.on() && r - tile_first.back() < kTileRows &&
+    if (r > 0 && !(tiles != nullptr && r - tile_first.back() < kTileRows &&
                    std::equal(tp + r * width, tp + (r + 1) * width, tp + (r - 1) * width)))
       tile_first.push_back(r);
     if (chunks_of(r) > 1) {
@@ -274,21 +252,16 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
                        partial_of(first, item.chunk, item.h0), buf);
       return;
     }
-#ifdef KVYARD_HEAD_KERNEL
-    if constexpr (Tiles<Q, C>::kRegister) {
-      using Raw = typename Tiles<Q, C>::Raw;
-      TileRows tile;
-      for (int64_t r = first; r < first + count; ++r) {
-        if (lp[r] <= t0) continue;  // a shorter row's context ends before this chunk
-        tile.q[tile.count] = reinterpret_cast<const uint16_t*>(qp + r * q_row + item.h0 * group * d);
-        tile.len[tile.count] = std::min(chunk_len, lp[r] - t0);
-        tile.out[tile.count] = reinterpret_cast<uint16_t*>(op + (r * heads + item.h0 * group) * d);
-        tile.partial[tile.count++] = partial_of(r, item.chunk, item.h0);
-      }
-      tiles.kernel(tile, group, reinterpret_cast<const Raw*>(kp), reinterpret_cast<const Raw*>(vp), k_scale, v_scale,
-                   chunk_table, block_size, kv_heads, item.h0, static_cast<float>(scale), buf);
+    TileRows tile;
+    for (int64_t r = first; r < first + count; ++r) {
+      if (lp[r] <= t0) continue;  // a shorter row's context ends before this chunk
+      tile.q[tile.count] = reinterpret_cast<const uint16_t*>(qp + r * q_row + item.h0 * group * d);
+      tile.len[tile.count] = std::min(chunk_len, lp[r] - t0);
+      tile.out[tile.count] = reinterpret_cast<uint16_t*>(op + (r * heads + item.h0 * group) * d);
+      tile.partial[tile.count++] = partial_of(r, item.chunk, item.h0);
     }
-#endif
+    tiles(tile, group, reinterpret_cast<const RawCache<C>*>(kp), reinterpret_cast<const RawCache<C>*>(vp), k_scale,
+          v_scale, chunk_table, block_size, kv_heads, item.h0, static_cast<float>(scale), buf);
   };
   if (tile_first.size() == static_cast<size_t>(rows) + 1) {  // no tiles: items in order, split evenly
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
@@ -360,11 +333,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // Whether rows sharing a block table are attended in tiles (attend_tile.h) for this head size and group: bf16
 // queries over a bf16 or int8 cache, on a CPU this build has the register kernels for.
 bool paged_attention_tiles(int64_t head_dim, int64_t group) {
-#ifdef KVYARD_HEAD_KERNEL
-  return tile_kernel<uint16_t>(head_dim, group) != nullptr;
-#else
-  return false;
-#endif
+  return tile_kernel<at::BFloat16, at::BFloat16>(head_dim, group) != nullptr;
 }
 
 }  // namespace kvyard::ops
