@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DECODE_CONTEXT = 128  # where the calibration's decodes sit: a short chat's length
+# The largest prompt timed: the cost is linear in tokens, and the chunks stall-free batching sizes are a few
+# hundred tokens, so a larger budget's whole-budget prompt would only lengthen every server's start.
+MAX_CALIBRATION_TOKENS = 512
 
 
 def calibration_batches(token_budget: int, max_num_seqs: int) -> list[list[tuple[int, int]]]:
@@ -43,7 +46,8 @@ def calibration_batches(token_budget: int, max_num_seqs: int) -> list[list[tuple
 def calibrate_step_cost(engine: "LLMEngine", rounds: int = 2) -> None:
     """Time each calibration batch `rounds` times; every round but the first (which builds kernels' caches and
     primitives) goes into the cost model."""
-    batches = calibration_batches(engine.scheduler.token_budget, engine.cfg.max_num_seqs)
+    tokens = min(engine.scheduler.token_budget, MAX_CALIBRATION_TOKENS)
+    batches = calibration_batches(tokens, engine.cfg.max_num_seqs)
     started = time.perf_counter()
     for round_ in range(rounds):
         for spans in batches:

@@ -152,8 +152,8 @@ def pack_weight(w: Weight, max_rows: int | None = None, gate_up: bool = False) -
     """A dense bf16 CPU weight rearranged once for its kernel (same values; results equal within rounding).
 
     With AMX, oneDNN's copy is kept beside the AMX blocks only if calls may exceed AMX_MAX_ROWS rows
-    (`max_rows`: the caller's most rows per call, None if unknown): a server's 512-token steps never do,
-    so it holds its weights once. A fused gate|up weight (`gate_up`) keeps its two halves there instead.
+    (`max_rows`: the caller's most rows per call, None if unknown): an engine with a 512-token budget never
+    does, so it holds its weights once. A fused gate|up weight (`gate_up`) keeps its two halves there instead.
 
     Given a plain matrix, oneDNN reorders it on every call: for a decode step, whose matmuls stream every
     weight from memory, that costs ~30% at 32 rows. The AMX kernel beats oneDNN's packed GEMM by ~1.4x over

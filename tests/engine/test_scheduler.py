@@ -1,4 +1,4 @@
-from kvyard.config import ONLINE_TOKEN_BUDGET, EngineConfig
+from kvyard.config import ONLINE_TOKEN_BUDGET, ONLINE_TOKEN_BUDGET_NO_ITL_TARGET, EngineConfig
 from kvyard.engine.block_manager import BlockManager
 from kvyard.engine.request import Request, Status
 from kvyard.engine.scheduler import Scheduler
@@ -83,6 +83,9 @@ def test_finish_returns_blocks():
 def test_token_budget_defaults_to_the_online_one():
     assert make().token_budget == ONLINE_TOKEN_BUDGET
     assert make(max_num_batched_tokens=10).token_budget == 10
+    # Without an inter-token target the budget alone bounds how long a stream waits for a prompt chunk.
+    assert make(max_itl_ms=0).token_budget == ONLINE_TOKEN_BUDGET_NO_ITL_TARGET < ONLINE_TOKEN_BUDGET
+    assert make(enable_chunked_prefill=False).token_budget == ONLINE_TOKEN_BUDGET_NO_ITL_TARGET
 
 
 class Loading:

@@ -2,6 +2,7 @@
 
 import random
 
+from kvyard.engine.scheduler import BURST_PROMPTS_PER_STREAM
 from kvyard.engine.step_cost import StepCostModel, StepShape
 from tests.engine.test_scheduler import make, request, run_step
 from tests.engine.test_step_cost import synthetic_step
@@ -60,14 +61,14 @@ def test_without_a_target_chunks_fill_the_token_budget():
 def test_no_limit_while_nothing_decodes():
     """A step with no running stream stalls no one: the prompt takes the whole budget."""
     s = scheduler(max_itl_ms=10)
-    s.add(request("alone", 2000))
+    s.add(request("alone", 5000))
     assert prompt_tokens(run_step(s)) == s.token_budget
 
 
 def test_no_limit_until_the_cost_model_has_a_fit():
     s = make(num_blocks=4096, block_size=BLOCK, max_itl_ms=10)
     start_streams(s, 4)
-    s.add(request("long", 2000))
+    s.add(request("long", 5000))
     assert not s.cost.ready and prompt_tokens(run_step(s)) == s.token_budget - 4
 
 
@@ -94,3 +95,25 @@ def test_the_default_target_is_twice_a_full_batch_of_decodes():
     full = StepShape(32, 32 * (context + 1))
     limit = 2 * s.cost.predict(full)
     assert s.cost.predict(batch.shape) <= limit < s.cost.predict(batch.shape.plus(2000, BLOCK))
+
+
+def test_a_burst_of_prompts_over_a_few_streams_is_taken_at_the_full_budget():
+    """Eight prompts arriving while two streams decode: one step takes them all; the streams still decode in it."""
+    s = scheduler(max_itl_ms=40)
+    streams = start_streams(s, 2)
+    burst = [request(f"b{i}", 100) for i in range(2 * BURST_PROMPTS_PER_STREAM)]
+    for r in burst:
+        s.add(r)
+    batch = run_step(s)
+    assert all(r in batch.requests for r in streams + burst)
+    assert prompt_tokens(batch) == 100 * len(burst) and s.cost.predict(batch.shape) > 0.040
+    assert s.num_limited_chunks == 0
+
+
+def test_fewer_prompts_than_the_burst_ratio_keep_the_target():
+    s = scheduler(max_itl_ms=40)
+    start_streams(s, 2)
+    for i in range(2 * BURST_PROMPTS_PER_STREAM - 1):
+        s.add(request(f"w{i}", 1000))
+    batch = run_step(s)
+    assert s.cost.predict(batch.shape) <= 0.040 and s.num_limited_chunks == 1
