@@ -77,8 +77,9 @@ class VnniWeight:
 class RowInvariantWeight:
     """A plain bf16 [out, in] weight whose every matmul, at any row count and on any CPU kind, runs kvyard's
     portable kernel (csrc/linear_bf16.cpp, widened_rows.h): each output element is one fp32 sum over the input in
-    a fixed order, rounded to bf16 once, whichever rows share the call. oneDNN, MKL and the AMX and AVX512-BF16
-    kernels each choose their blocking (and so their order of summation) by the shape of the call."""
+    a fixed order, rounded to bf16 once, whichever rows share the call. oneDNN, MKL and the AMX kernel each choose
+    their blocking (and so their order of summation) by the shape of the call; the AVX512-BF16 kernel does not,
+    and serves the batch-invariant path itself where it runs (row_invariant)."""
 
     weight: torch.Tensor
 
@@ -123,9 +124,13 @@ Weight = torch.Tensor | VnniWeight | RowInvariantWeight | RowInvariantLowBit | Q
 
 
 def row_invariant(w: Weight) -> Weight:
-    """`w` for the batch-invariant path: a dense bf16 CPU matrix as a RowInvariantWeight, a weight of the portable
-    low-bit kernel as a RowInvariantLowBit; anything else has no kernel that keeps a row's sums in one order."""
+    """`w` for the batch-invariant path: a dense bf16 CPU matrix as VNNI blocks where the AVX512-BF16 kernel runs
+    them (one chain per output at every row count: csrc/dpbf16_linear.cpp), else as a RowInvariantWeight; a weight
+    of the portable low-bit kernel as a RowInvariantLowBit; anything else has no kernel that keeps a row's sums in
+    one order."""
     if isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.bfloat16 and w.device.type == "cpu":
+        if VnniWeight.fits(w) and cpu_kernels.dpbf16_available() and not cpu_kernels.amx_available():
+            return VnniWeight.tile(w)
         return RowInvariantWeight(w.contiguous())
     if isinstance(w, PlainLowBitLinear):
         return RowInvariantLowBit(w)

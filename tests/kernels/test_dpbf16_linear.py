@@ -7,7 +7,7 @@ import torch
 from kvyard.config import EngineConfig
 from kvyard.engine.llm_engine import LLMEngine
 from kvyard.kernels import cpu as cpu_kernels
-from kvyard.models.linear import VnniWeight, linear, pack_weight
+from kvyard.models.linear import VnniWeight, linear, pack_weight, row_invariant
 
 needs_dpbf16 = pytest.mark.skipif(not cpu_kernels.dpbf16_available(), reason="this CPU has no AVX512-BF16")
 without_amx = pytest.mark.skipif(cpu_kernels.amx_available(), reason="AMX CPUs run the AMX kernel instead")
@@ -34,6 +34,30 @@ def test_rounds_the_exact_product_once(rows, out, inp, bias):
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
     err = (got.double() - exact).abs()
     assert (err <= _bf16_ulp(exact) + 1e-6 * exact.abs().max()).all(), err.max()
+
+
+@needs_dpbf16
+@pytest.mark.parametrize("inp", [64, 576, 1536])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(inp):
+    """Each output is one chain over k's pairs in every tile (1-12 rows): a row alone, in a tile's remainder or
+    in a full tile comes out the same to the bit, in bf16 and in the logits' fp32. The batch-invariant path runs
+    on this kernel where it is the CPU's VNNI kernel (row_invariant)."""
+    g = torch.Generator().manual_seed(inp)
+    blocks = VnniWeight.tile(torch.randn(96, inp, generator=g).bfloat16()).blocks
+    x = torch.randn(40, inp, generator=g).bfloat16()
+    full = torch.ops.kvyard.dpbf16_linear(x, blocks, None)
+    full_f32 = torch.ops.kvyard.dpbf16_linear_f32(x, blocks)
+    for start, rows in [(0, 1), (7, 1), (39, 1), (0, 2), (3, 11), (5, 13), (1, 25), (12, 28)]:
+        part = x[start : start + rows]
+        assert torch.equal(torch.ops.kvyard.dpbf16_linear(part, blocks, None), full[start : start + rows])
+        assert torch.equal(torch.ops.kvyard.dpbf16_linear_f32(part, blocks), full_f32[start : start + rows])
+
+
+@needs_dpbf16
+@without_amx
+def test_the_batch_invariant_path_keeps_the_blocks():
+    w = torch.randn(96, 64).bfloat16()
+    assert isinstance(row_invariant(w), VnniWeight)
 
 
 @needs_dpbf16
