@@ -7,9 +7,9 @@ and output again. Requests that reach the end of their tokens get a new token sa
 Stall-free batching (Sarathi-Serve): while requests decode, a step takes only the prompt tokens that keep
 its predicted time (kvyard/engine/step_cost.py) within the inter-token target, so a running stream never
 waits behind a big prefill chunk. The first prompt chunk of a step always gets at least a block, so prompts
-keep moving however many decodes run. The exception is a burst: when the prompts waiting for their first
-token outnumber the decoding streams several times over, the step takes the whole burst up to the token
-budget, and a few streams wait once rather than every stream many times.
+keep moving however many decodes run. The automatic target gives way to a burst: when at least as many prompts
+wait for their first token as streams decode, the step takes the whole burst up to the token budget, and a few
+streams wait once rather than every stream many times.
 """
 
 import math
@@ -25,8 +25,8 @@ from kvyard.engine.step_cost import StepCostModel, StepShape
 # With no target set, prefill may at most double the time of a step that decodes a full batch
 # (max_num_seqs requests at the running ones' mean context): the measured cost model sets the target.
 AUTO_TARGET_OVER_FULL_DECODE = 2.0
-# A burst of prompts arriving while only a few streams decode (at least this many prompts a stream) is
-# admitted at the full token budget: the few streams wait once for the whole burst, instead of the burst
+# Under the automatic target (a target set by hand is kept), a burst of prompts arriving while only a few
+# streams decode (at least this many prompts a stream) is admitted at the full token budget: the few streams wait once for the whole burst, instead of the burst
 # being spread over many steps that each hold every stream (and the burst's own first tokens) to the target.
 # Streams that start together then stay together, and later bursts find few streams running again.
 BURST_PROMPTS_PER_STREAM = 1
@@ -99,14 +99,10 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.token_budget
         decodes = StepShape()  # the running streams' next tokens (and drafts): what a prompt chunk must not stall
-        streams, prompts = 0, len(self.waiting)
         for req in self.running if self.stall_free else ():
-            missing = req.num_tokens - req.num_computed_tokens
-            prompts += missing > 1
-            if missing == 1 and req.request_id not in self.in_flight:
+            if req.num_tokens - req.num_computed_tokens == 1 and req.request_id not in self.in_flight:
                 decodes.add(req.num_computed_tokens, 1 + len(req.spec_token_ids))
-                streams += 1
-        limit = None if prompts >= BURST_PROMPTS_PER_STREAM * streams else self._step_limit(decodes)
+        limit = self._step_limit(decodes)
         planned = StepShape(decodes.tokens, decodes.attended)  # decodes, plus the prompt chunks taken so far
         share = math.ceil((len(self.running) + len(self.waiting)) / self.microbatches)
         # Running requests first, oldest first; the newest is preempted when blocks run out.
@@ -173,7 +169,11 @@ class Scheduler:
         if not decodes.tokens or not self.stall_free or not self.cost.ready:
             return None
         if self.cfg.max_itl_ms is not None:
-            return self.cfg.max_itl_ms / 1000
+            return self.cfg.max_itl_ms / 1000  # a target set by hand holds for bursts too
+        streams = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        prompts = len(self.waiting) + sum(r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
+        if prompts >= BURST_PROMPTS_PER_STREAM * streams:
+            return None
         full = self.cfg.max_num_seqs
         return AUTO_TARGET_OVER_FULL_DECODE * self.cost.predict(StepShape(full, full * decodes.attended // decodes.tokens))
 

@@ -98,22 +98,28 @@ def test_the_default_target_is_twice_a_full_batch_of_decodes():
 
 
 def test_a_burst_of_prompts_over_a_few_streams_is_taken_at_the_full_budget():
-    """Eight prompts arriving while two streams decode: one step takes them all; the streams still decode in it."""
-    s = scheduler(max_itl_ms=40)
+    """Prompts arriving while as few streams decode: one step takes them all; the streams still decode in it."""
+    s = scheduler()  # the automatic target
     streams = start_streams(s, 2)
-    burst = [request(f"b{i}", 100) for i in range(2 * BURST_PROMPTS_PER_STREAM)]
+    burst = [request(f"b{i}", 500) for i in range(2 * BURST_PROMPTS_PER_STREAM)]
     for r in burst:
         s.add(r)
+    assert s._step_limit(StepShape(2, 2 * 21)) is None
     batch = run_step(s)
     assert all(r in batch.requests for r in streams + burst)
-    assert prompt_tokens(batch) == 100 * len(burst) and s.cost.predict(batch.shape) > 0.040
-    assert s.num_limited_chunks == 0
+    assert prompt_tokens(batch) == 500 * len(burst) and s.num_limited_chunks == 0
 
 
-def test_fewer_prompts_than_the_burst_ratio_keep_the_target():
-    s = scheduler(max_itl_ms=40)
+def test_fewer_prompts_than_streams_keep_the_target_and_a_hand_set_target_ignores_bursts():
+    s = scheduler()
     start_streams(s, 2)
     for i in range(2 * BURST_PROMPTS_PER_STREAM - 1):
         s.add(request(f"w{i}", 1000))
+    limit = s._step_limit(StepShape(2, 2 * 21))
     batch = run_step(s)
-    assert s.cost.predict(batch.shape) <= 0.040 and s.num_limited_chunks == 1
+    assert s.cost.predict(batch.shape) <= limit and s.num_limited_chunks == 1
+    hand_set = scheduler(max_itl_ms=40)
+    start_streams(hand_set, 2)
+    for i in range(4 * BURST_PROMPTS_PER_STREAM):
+        hand_set.add(request(f"w{i}", 1000))
+    assert hand_set._step_limit(StepShape(2, 2 * 21)) == 0.040
