@@ -209,8 +209,12 @@ class EngineConfig:
         """Tokens per forward pass: also the most rows any matmul of a step sees."""
         if self.max_num_batched_tokens:
             return self.max_num_batched_tokens
-        stall_free = self.enable_chunked_prefill and self.max_itl_ms != 0
-        return ONLINE_TOKEN_BUDGET if stall_free else ONLINE_TOKEN_BUDGET_NO_ITL_TARGET
+        return ONLINE_TOKEN_BUDGET if self.stall_free else ONLINE_TOKEN_BUDGET_NO_ITL_TARGET
+
+    @property
+    def stall_free(self) -> bool:
+        """Whether prompt chunks are held to an inter-token target: chunking on, and the target not turned off."""
+        return self.enable_chunked_prefill and self.max_itl_ms != 0
 
     def offline(self) -> "EngineConfig":
         """This config with the LLM class's defaults where none was chosen: the offline token budget, and no

@@ -26,9 +26,10 @@ from kvyard.engine.step_cost import StepCostModel, StepShape
 # (max_num_seqs requests at the running ones' mean context): the measured cost model sets the target.
 AUTO_TARGET_OVER_FULL_DECODE = 2.0
 # Under the automatic target (a target set by hand is kept), a burst of prompts arriving while only a few
-# streams decode (at least this many prompts a stream) is admitted at the full token budget: the few streams wait once for the whole burst, instead of the burst
-# being spread over many steps that each hold every stream (and the burst's own first tokens) to the target.
-# Streams that start together then stay together, and later bursts find few streams running again.
+# streams decode (at least this many prompts a stream) is admitted at the full token budget: the few streams
+# wait once for the whole burst, instead of the burst being spread over many steps that each hold every stream
+# (and the burst's own first tokens) to the target. Streams that start together then stay together, and later
+# bursts find few streams running again.
 BURST_PROMPTS_PER_STREAM = 1
 
 
@@ -99,10 +100,14 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.token_budget
         decodes = StepShape()  # the running streams' next tokens (and drafts): what a prompt chunk must not stall
+        streams, prompts = 0, len(self.waiting)  # prompts: requests still without their KV, waiting or chunked
         for req in self.running if self.stall_free else ():
-            if req.num_tokens - req.num_computed_tokens == 1 and req.request_id not in self.in_flight:
+            missing = req.num_tokens - req.num_computed_tokens
+            prompts += missing > 1
+            if missing == 1 and req.request_id not in self.in_flight:
                 decodes.add(req.num_computed_tokens, 1 + len(req.spec_token_ids))
-        limit = self._step_limit(decodes)
+                streams += 1
+        limit = self._step_limit(decodes, burst=prompts >= BURST_PROMPTS_PER_STREAM * streams)
         planned = StepShape(decodes.tokens, decodes.attended)  # decodes, plus the prompt chunks taken so far
         share = math.ceil((len(self.running) + len(self.waiting)) / self.microbatches)
         # Running requests first, oldest first; the newest is preempted when blocks run out.
@@ -160,19 +165,16 @@ class Scheduler:
 
     @property
     def stall_free(self) -> bool:
-        """Whether prompt chunks are held to an inter-token target: chunking on, and the target not turned off."""
-        return self.cfg.enable_chunked_prefill and self.cfg.max_itl_ms != 0
+        return self.cfg.stall_free
 
-    def _step_limit(self, decodes: StepShape) -> float | None:
+    def _step_limit(self, decodes: StepShape, burst: bool = False) -> float | None:
         """The most seconds this step may take; None when nothing limits it: no stream decoding, stall-free
-        batching off, or too few steps timed yet to predict one."""
+        batching off, too few steps timed yet to predict one, or a `burst` under the automatic target."""
         if not decodes.tokens or not self.stall_free or not self.cost.ready:
             return None
         if self.cfg.max_itl_ms is not None:
             return self.cfg.max_itl_ms / 1000  # a target set by hand holds for bursts too
-        streams = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
-        prompts = len(self.waiting) + sum(r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
-        if prompts >= BURST_PROMPTS_PER_STREAM * streams:
+        if burst:
             return None
         full = self.cfg.max_num_seqs
         return AUTO_TARGET_OVER_FULL_DECODE * self.cost.predict(StepShape(full, full * decodes.attended // decodes.tokens))

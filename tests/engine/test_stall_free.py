@@ -104,8 +104,7 @@ def test_a_burst_of_prompts_over_a_few_streams_is_taken_at_the_full_budget():
     burst = [request(f"b{i}", 500) for i in range(2 * BURST_PROMPTS_PER_STREAM)]
     for r in burst:
         s.add(r)
-    assert s._step_limit(StepShape(2, 2 * 21)) is None
-    batch = run_step(s)
+    batch = run_step(s)  # 1,000 prompt tokens: several times what the target lets beside two decodes
     assert all(r in batch.requests for r in streams + burst)
     assert prompt_tokens(batch) == 500 * len(burst) and s.num_limited_chunks == 0
 
@@ -122,4 +121,5 @@ def test_fewer_prompts_than_streams_keep_the_target_and_a_hand_set_target_ignore
     start_streams(hand_set, 2)
     for i in range(4 * BURST_PROMPTS_PER_STREAM):
         hand_set.add(request(f"w{i}", 1000))
-    assert hand_set._step_limit(StepShape(2, 2 * 21)) == 0.040
+    assert hand_set._step_limit(StepShape(2, 2 * 21), burst=True) == 0.040
+    assert prompt_tokens(run_step(hand_set)) < 1000 and hand_set.num_limited_chunks > 0
