@@ -123,7 +123,8 @@ class EngineConfig:
     # Batch-invariant bf16 (kvyard/models/linear.py RowInvariantWeight, attention.py invariant_rows): a token's
     # result depends only on its own context, not on the batch, the chunking, the prefix cache or speculation.
     # Dense bf16 weights and the portable low-bit kernel's on CPU, one process; _check_batch_invariant refuses the rest.
-    batch_invariant: bool = False
+    # None (the default): on where the default path already is invariant at no cost (models/invariance.py), else off.
+    batch_invariant: bool | None = None
     # Low-bit weights' several-row matmuls (decode batches, prefill chunks) with the activations rounded to int8
     # per run of 32 values, in integer dot products (csrc/lowbit_int8_act.cpp, AVX2): a numerics change, so off
     # unless asked for; its KL against the fp32 model is in BENCHMARKS.md. One row keeps its exact-as-bf16 kernel.
@@ -176,8 +177,12 @@ class EngineConfig:
     def _check_batch_invariant(self) -> None:
         """The batch-invariant path covers what its kernels cover; anything else is refused rather than served
         with a promise it would not keep."""
-        if not self.batch_invariant:
-            return
+        if self.batch_invariant:
+            for what in self.batch_invariant_gaps():
+                raise InvalidRequestError(f"batch_invariant does not cover {what}", param="batch_invariant")
+
+    def batch_invariant_gaps(self) -> list[str]:
+        """What in this configuration the batch-invariant path does not cover (empty: all of it)."""
         unsupported = [
             (self.dtype != torch.bfloat16, f"dtype {str(self.dtype).removeprefix('torch.')} (it covers bfloat16)"),
             (self.device != "cpu", f"device {self.device} (its kernels are kvyard's CPU kernels)"),
@@ -186,10 +191,9 @@ class EngineConfig:
             (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1, "tensor or pipeline parallelism"),
             (bool(self.lora_adapters), "LoRA adapters"),
             (self.kv_cache_dtype != "auto", "an int8 KV cache"),
+            (self.dynamic_quant, "dynamic_quant (int8-rounded activations)"),
         ]
-        for refused, what in unsupported:
-            if refused:
-                raise InvalidRequestError(f"batch_invariant does not cover {what}", param="batch_invariant")
+        return [what for refused, what in unsupported if refused]
 
     def _check_dynamic_quant(self) -> None:
         if not self.dynamic_quant:
@@ -198,7 +202,6 @@ class EngineConfig:
             (self.dtype != torch.bfloat16, f"dtype {str(self.dtype).removeprefix('torch.')} (it rounds bf16 "
                                            "activations; fp32 stays exact)"),
             (self.device != "cpu", f"device {self.device} (its kernel is kvyard's AVX2 CPU kernel)"),
-            (self.batch_invariant, "batch_invariant (which promises outputs exact as bf16)"),
         ]
         for refused, what in unsupported:
             if refused:

@@ -140,6 +140,8 @@ def _ratios(rounds: list[dict], med: dict) -> dict:
 
 def run_offline_bench(args: argparse.Namespace) -> int:
     cfg = engine_config_from_args(args)
+    if args.compare_batch_invariant and cfg.batch_invariant is None:  # against the path it replaces, not the default
+        cfg = dataclasses.replace(cfg, batch_invariant=False)
     cores = os.sched_getaffinity(0)  # before a parallel replica's rank 0 (this process) binds to its share
     llm = LLM(config=cfg)
     # A parallel replica runs against the same engine on one process, in turns (rank 0 shares this process)

@@ -65,8 +65,9 @@ def add_spec_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="the load row's longest request; the others' max_tokens spread evenly below it")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-cache-memory", default="1GiB")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="the targets on the batch-invariant path: bf16 outputs then match with and without speculation")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="the targets on the batch-invariant path (default: the engine's, on where it costs nothing): "
+                        "bf16 outputs then match with and without speculation")
     p.add_argument("--json-out", default=None)
     p.add_argument("--md-out", default=None)
     p.set_defaults(func=run_spec_bench)

@@ -30,7 +30,8 @@ _HELP = {
     "max_num_seqs": "most requests running at once",
     "enable_chunked_prefill": "split long prompts across steps",
     "batch_invariant": "bf16 outputs that depend only on each request's own tokens, never on the batch, the chunking, "
-                       "the prefix cache or speculation (kvyard's portable kernels at every size: slower; see README)",
+                       "the prefix cache or speculation (default: on where it costs nothing, on AVX512-BF16 CPUs "
+                       "without AMX for dense bf16 models; elsewhere slower: see README)",
     "dynamic_quant": "low-bit weights' batched matmuls with activations rounded to int8 per 32 values, in integer "
                      "dot products (AVX2; faster, not exact; see README)",
     "max_itl_ms": "inter-token target while requests decode: a step takes only the prompt tokens that fit it "
@@ -93,7 +94,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if f.name in _MAPPING_FLAGS:
             flag, metavar, help_text = _MAPPING_FLAGS[f.name]
             g.add_argument(flag, dest=f.name, action=_NameValue, default=default, metavar=metavar, help=help_text)
-        elif isinstance(default, bool):
+        elif isinstance(default, bool) or set(typing.get_args(hints[f.name])) == {bool, type(None)}:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP.get(f.name))
         else:
             g.add_argument(flag, type=_flag_type(hints[f.name]), default=default, help=_HELP.get(f.name))

@@ -38,6 +38,7 @@ from kvyard.lora.adapter import LORA_FAMILIES, LoraAdapter, load_adapter
 from kvyard.lora.stack import LoraRegistry
 from kvyard.models.build import build_model
 from kvyard.models.decoder import DecoderModel
+from kvyard.models.invariance import invariant_by_default, model_gap
 from kvyard.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvyard.parallel.affinity import bind_replica_process, cpus_for_children, replica_cpus
 from kvyard.parallel.comm import current_group
@@ -141,9 +142,10 @@ class LLMEngine:
             model = build_model(ckpt.config, cfg.dtype, device, **sizes)
         else:
             model = TensorParallelDecoder(ckpt.config, group, cfg.dtype, device, **sizes, expert_placement=placement)
-        model.batch_invariant = cfg.batch_invariant  # before load: it decides the weights' resident form
+        model.batch_invariant = bool(cfg.batch_invariant)  # before load: it decides the weights' resident form
         model.dynamic_quant = cfg.dynamic_quant
         model.load(self._weights(ckpt), str(path))
+        self.batch_invariant = model.batch_invariant = self._batch_invariant(model)
         self._refuse_idle_dynamic_quant(model)
         self.lora = self._lora_adapters(model)
         if cfg.kv_cache_dtype == "int8":
@@ -231,6 +233,7 @@ class LLMEngine:
         running with the old one finish with it (their KV and tokens belong to it): it is renamed for them,
         out of sight of new requests, and unloaded once the last of them is done (`_drop_retired`)."""
         if self.lora is None:
+            self._drop_default_invariance("LoRA adapters")
             self.lora = self._new_lora_registry(self.runner.model)
         adapter = load_adapter(name, path, self.lora.model.cfg)  # read first: a bad file changes nothing
         if self._lora_requests(name):
@@ -270,14 +273,28 @@ class LLMEngine:
         return sum(1 for t in getattr(self, "_tracked", {}).values() if t.req.lora == name)
 
     def _refuse_batch_invariant(self, model: "ModelConfig") -> None:
-        """The batch-invariant path runs dense layers with full attention; other layers have kernels of their own."""
-        if not self.cfg.batch_invariant:
-            return
-        kind = ("sliding-window attention" if any(w is not None for w in model.layer_windows) else
-                "Mixture-of-Experts layers" if model.num_experts else
-                "latent attention" if model.kv_lora_rank else None)
+        """Asked for, the batch-invariant path must cover the model's layers (models/invariance.py)."""
+        kind = model_gap(model) if self.cfg.batch_invariant else None
         if kind is not None:
             raise ConfigError(f"batch_invariant does not cover {model.model_type}'s {kind} yet", param="batch_invariant")
+
+    def _batch_invariant(self, model: Any) -> bool:
+        """Whether this engine's outputs are batch-invariant: asked for, or by default where it costs nothing."""
+        if self.cfg.batch_invariant is not None:
+            return self.cfg.batch_invariant
+        free = (not self.cfg.batch_invariant_gaps() and model_gap(model.cfg) is None and isinstance(model, DecoderModel)
+                and invariant_by_default(model))
+        if free:
+            log.info("batch-invariant bf16 on: on this CPU the default kernels keep each row's sums in one order")
+        return free
+
+    def _drop_default_invariance(self, what: str) -> None:
+        """`what` is outside the batch-invariant path: refused if it was asked for, else the default is dropped."""
+        if self.cfg.batch_invariant:
+            raise ConfigError(f"batch_invariant does not cover {what}", param="batch_invariant")
+        if self.batch_invariant:
+            log.info("batch-invariant bf16 off from now on: it does not cover %s", what)
+            self.batch_invariant = self.runner.model.batch_invariant = False
 
     def _refuse_idle_dynamic_quant(self, model: Any) -> None:
         """--dynamic-quant acts on low-bit weights only; on a model without any it would silently do nothing."""

@@ -37,7 +37,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models")
     async def list_models() -> Response:
         card = ModelCard(id=ctx.model_name, created=ctx.created, max_model_len=engine.max_model_len,
-                         generation_defaults=ctx.generation_defaults)
+                         generation_defaults=ctx.generation_defaults, batch_invariant=engine.batch_invariant)
         return Response(ModelList(data=[card, *adapter_cards(ctx)]).model_dump_json(), media_type="application/json")
 
     @app.post("/v1/completions")

@@ -203,6 +203,7 @@ class AsyncEngine:
         self.model_config = engine.model_config
         self.generation_defaults = dict(engine.generation_defaults)
         self.max_model_len = engine.max_model_len
+        self.batch_invariant = engine.batch_invariant  # off once a LoRA adapter is loaded (load_lora)
         self.model_name = engine.cfg.model
         # The LoRA adapters served (a copy of the engine's registry); changed only by load_lora / unload_lora
         self.lora_adapters: dict[str, ServedAdapter] = dict(engine.lora.served) if engine.lora else {}
@@ -312,7 +313,8 @@ class AsyncEngine:
 
     async def load_lora(self, name: str, path: str) -> None:
         """Serve the LoRA adapter at `path` as `name` (read on the engine thread, between steps)."""
-        adapter = await self._on_engine_thread(lambda engine: engine.load_lora(name, path))
+        adapter, self.batch_invariant = await self._on_engine_thread(
+            lambda engine: (engine.load_lora(name, path), engine.batch_invariant))
         self.lora_adapters[name] = ServedAdapter(str(adapter.path), adapter.digest)
 
     async def unload_lora(self, name: str) -> None:

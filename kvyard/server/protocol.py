@@ -423,6 +423,9 @@ class ModelCard(BaseModel):
     parent: str | None = None  # a LoRA adapter's base model
     # The model's own sampling defaults, used where a request leaves a parameter out (generation_config.json)
     generation_defaults: dict[str, float | int] = Field(default_factory=dict)
+    # Whether the batch-invariant bf16 path is on: greedy outputs that depend only on the request's own tokens, never
+    # on the batch, the chunking or the prefix cache (README "Batch-invariant bf16"); the base model's card only
+    batch_invariant: bool | None = None
 
 
 class ModelList(BaseModel):

@@ -4,7 +4,9 @@ its prompt is chunked, whether its prefix came from the cache, and with speculat
 On the default path kvyard's bf16 kernels choose their blocking by the shape of each call (oneDNN, MKL, AMX), and
 a prompt's attention runs through SDPA over its chunk while a decode's runs through the paged kernel, so a row's
 rounding depends on its neighbours. The batch-invariant path keeps every weight plain for one portable kernel
-(RowInvariantWeight) and attends every token as a decode row (AttentionMetadata.invariant_rows).
+(RowInvariantWeight) and attends every token as a decode row (AttentionMetadata.invariant_rows). On AVX512-BF16
+CPUs without AMX the default path already is that path for a dense bf16 model, and the engine turns it on by
+default there (kvyard/models/invariance.py).
 """
 
 import pytest
@@ -17,6 +19,8 @@ from kvyard.models.attention import AttentionMetadata, PrefillSpan
 from kvyard.models.linear import RowInvariantLowBit, RowInvariantWeight
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="kvyard's C++ kernels did not build here")
+# Where the default kernels keep each row's sums in one order, so that batch invariance is on by default
+FREE_HERE = cpu_kernels.available() and cpu_kernels.dpbf16_available() and not cpu_kernels.amx_available()
 
 OUTPUT_TOKENS = 128
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable type changed how books "
@@ -74,6 +78,42 @@ def test_the_path_refuses_what_it_does_not_cover():
                     dict(kv_cache_dtype="int8")):
         with pytest.raises(InvalidRequestError, match="batch_invariant does not cover"):
             EngineConfig(batch_invariant=True, **options)
+
+
+def test_by_default_it_is_on_exactly_where_the_default_kernels_keep_a_rows_order(invariant_llm, smollm2_path):
+    """On such a CPU the default engine gives the invariant engine's tokens: cold, chunked, among others."""
+    prompts = _prompts(invariant_llm, 7)
+    with LLM(model=str(smollm2_path), dtype="bfloat16", kv_cache_memory="64MiB", max_num_batched_tokens=45,
+             enable_prefix_caching=False) as default:
+        assert default.engine.batch_invariant == FREE_HERE
+        if FREE_HERE:
+            assert _greedy(default, prompts)[6] == _greedy(invariant_llm, prompts[6:7])[0]
+
+
+@pytest.mark.parametrize("options", [dict(dtype="float32"), dict(dtype="bfloat16", quantization="gguf")])
+def test_by_default_it_stays_off_where_it_costs_or_does_not_apply(smollm2_path, options):
+    with LLM(model=str(smollm2_path), kv_cache_memory="32MiB", **options) as llm:
+        assert llm.engine.batch_invariant is False
+
+
+def test_a_lora_adapter_turns_the_default_off_and_is_refused_when_asked_for(smollm2_path, tmp_path):
+    import peft
+    import transformers
+
+    from kvyard.errors import ConfigError
+
+    hf_config = transformers.AutoConfig.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])  # random base weights: only shapes matter
+    peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(hf_config), lora).save_pretrained(tmp_path)
+    adapter = str(tmp_path)
+    with LLM(model=str(smollm2_path), dtype="bfloat16", kv_cache_memory="32MiB") as default:
+        assert default.engine.batch_invariant == FREE_HERE
+        default.engine.load_lora("a", adapter)
+        assert default.engine.batch_invariant is False and default.engine.runner.model.batch_invariant is False
+    with LLM(model=str(smollm2_path), dtype="bfloat16", kv_cache_memory="32MiB", batch_invariant=True) as asked:
+        with pytest.raises(ConfigError, match="batch_invariant does not cover LoRA adapters"):
+            asked.engine.load_lora("a", adapter)
+        assert asked.engine.batch_invariant is True
 
 
 def test_a_prompt_gives_the_same_tokens_alone_and_in_batches_of_2_7_and_32(invariant_llm):

@@ -209,6 +209,7 @@ def test_the_models_defaults_apply_where_a_request_is_silent(defaults_engine):
         client = clients(srv.url)[0]
         assert client.models.list().data[0].generation_defaults == {
             "temperature": 0.0, "repetition_penalty": 1.5, "max_tokens": 5}
+        assert client.models.list().data[0].batch_invariant is False  # an fp32 engine: the bf16 path is off
         silent = client.completions.create(model="tiny", prompt=PROMPT, extra_body={"ignore_eos": True})
         explicit = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0.0,
                                              extra_body={"ignore_eos": True, "repetition_penalty": 1.5})
