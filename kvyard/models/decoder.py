@@ -128,7 +128,7 @@ class DecoderModel:
         if not all(isinstance(p, QuantizedTensor) for p in parts):
             raise CheckpointError(f"{source}: fused projections mix quantized and dense weights")
         return make_linear(QuantizedTensor.cat(parts), self.dtype, self.device,  # type: ignore[arg-type]
-                           portable=self.batch_invariant, int8_activations=self.dynamic_quant)
+                           row_invariant=self.batch_invariant, int8_activations=self.dynamic_quant)
 
     def _qk_norm(self, q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg

@@ -2,9 +2,10 @@
 
 The batch-invariant path (--batch-invariant) keeps one summation order per output whatever shares a call: weights
 in a row-invariant form (linear.row_invariant) and every prompt token attended as a decode row. On a CPU with
-AVX512-BF16 and without AMX the default path already is that path for a dense bf16 model: pack_weight gives the
-same VNNI blocks as row_invariant (csrc/dpbf16_linear.cpp takes one chain per output at any row count), and the
-paged kernel's prompt tiles attend each prompt token as a row over its own prefix. There the engine switches the
+AVX512-BF16 and without AMX the default path already is that path for a dense bf16 model and for low-bit VNNI
+blocks (--quantization gguf): pack_weight gives the same VNNI blocks as row_invariant (csrc/dpbf16_linear.cpp and
+csrc/vnni_lowbit.cpp take one chain per output at any row count), and the paged kernel's prompt tiles attend each
+prompt token as a row over its own prefix. There the engine switches the
 path on, and says so. Elsewhere the invariant kernels cost throughput (BENCHMARKS.md), so it stays opt-in.
 """
 
@@ -14,6 +15,7 @@ from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.attention import prompt_tiles_fit
 from kvyard.models.config import ModelConfig
 from kvyard.models.linear import VnniWeight
+from kvyard.quant.qlinear import VnniLowBitLinear
 
 
 def model_gap(cfg: ModelConfig) -> str | None:
@@ -30,7 +32,8 @@ def model_gap(cfg: ModelConfig) -> str | None:
 
 def invariant_by_default(model) -> bool:
     """Whether the loaded `model`'s default path keeps each row's sums in one order (see the module's doc):
-    AVX512-BF16 without AMX, every projection as VNNI blocks, a head that packs to them, prompt tiles that fit."""
+    AVX512-BF16 without AMX, every projection as VNNI blocks (bf16 or low-bit), a head likewise, prompt tiles
+    that fit."""
     if not (cpu_kernels.available() and cpu_kernels.dpbf16_available()) or cpu_kernels.amx_available():
         return False
     cfg = model.cfg
@@ -38,6 +41,6 @@ def invariant_by_default(model) -> bool:
         return False
     projections = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     head = model.lm_head
-    head_packs = isinstance(head, VnniWeight) or (
+    head_packs = isinstance(head, (VnniWeight, VnniLowBitLinear)) or (
         isinstance(head, torch.Tensor) and head.dtype == torch.bfloat16 and VnniWeight.fits(head))
-    return head_packs and all(isinstance(w, VnniWeight) for w in projections)
+    return head_packs and all(isinstance(w, (VnniWeight, VnniLowBitLinear)) for w in projections)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from kvyard.errors import ConfigError
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.kernels import fp32_gemm, vnni
-from kvyard.quant.qlinear import PlainLowBitLinear, QuantizedLinear
+from kvyard.quant.qlinear import PlainLowBitLinear, QuantizedLinear, VnniLowBitLinear
 
 _PACK_ROWS_HINT = 32  # the layout oneDNN picks for this many rows also serves 1 and 512 rows well
 AMX_MAX_ROWS = 512  # up to here the AMX loop is at least as fast as oneDNN (0.9x of its time at 512 rows)
@@ -126,16 +126,19 @@ Weight = torch.Tensor | VnniWeight | RowInvariantWeight | RowInvariantLowBit | Q
 def row_invariant(w: Weight) -> Weight:
     """`w` for the batch-invariant path: a dense bf16 CPU matrix as VNNI blocks where the AVX512-BF16 kernel runs
     them (one chain per output at every row count: csrc/dpbf16_linear.cpp), else as a RowInvariantWeight; a weight
-    of the portable low-bit kernel as a RowInvariantLowBit; anything else has no kernel that keeps a row's sums in
-    one order."""
+    of the portable low-bit kernel as a RowInvariantLowBit, and VNNI low-bit blocks as they are where the AVX-512
+    kernel runs them without AMX; anything else has no kernel that keeps a row's sums in one order."""
     if isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.bfloat16 and w.device.type == "cpu":
         if VnniWeight.fits(w) and cpu_kernels.dpbf16_available() and not cpu_kernels.amx_available():
             return VnniWeight.tile(w)
         return RowInvariantWeight(w.contiguous())
     if isinstance(w, PlainLowBitLinear):
         return RowInvariantLowBit(w)
-    raise ConfigError(f"batch_invariant does not cover a {type(w).__name__} weight: only dense "
-                      "bf16 weights and the portable low-bit kernel's (no outlier columns)", param="batch_invariant")
+    if isinstance(w, VnniLowBitLinear) and not cpu_kernels.amx_available():
+        return w  # the AVX-512 kernel's bf16 tiles: one chain per output and group at every row count
+    raise ConfigError(f"batch_invariant does not cover a {type(w).__name__} weight: only dense bf16 weights, the "
+                      "portable low-bit kernel's (no outlier columns) and VNNI low-bit blocks on AVX-512 CPUs without "
+                      "AMX", param="batch_invariant")
 
 
 def packable(w: torch.Tensor) -> bool:

@@ -334,16 +334,17 @@ class PlainLowBitLinear(_ScaledCodes, _PaddedInput):
         return w[: self.out_features, : self.in_features].to(dtype)
 
 
-def make_linear(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device, portable: bool = False,
+def make_linear(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device, row_invariant: bool = False,
                 int8_activations: bool = False) -> QuantizedLinear:
     """The fastest low-bit form here: kvyard's VNNI blocks (AMX or AVX-512 kernel), else its portable kernel, else
-    PyTorch's own. `portable`: the portable kernel even where VNNI blocks would run (the batch-invariant path).
+    PyTorch's own. `row_invariant` (the batch-invariant path): a kernel whose rows never depend on their neighbours,
+    the VNNI blocks' AVX-512 kernel where it runs without AMX (bf16 tiles at every row count), else the portable one.
     `int8_activations` (--dynamic-quant): the portable kernel with int8-rounded activations, on every CPU kind alike."""
     inner: QuantizedLinear
     if int8_activations and not (dtype == torch.bfloat16 and cpu_kernels.int8_act_available()):
         raise ConfigError("dynamic_quant needs bf16 and kvyard's AVX2 kernels, which this CPU or build lacks",
                           param="dynamic_quant")
-    if not (portable or int8_activations) and VnniLowBitLinear.fits(qt, dtype, device):
+    if not (row_invariant and _on_amx() or int8_activations) and VnniLowBitLinear.fits(qt, dtype, device):
         return VnniLowBitLinear(qt)  # both of its kernels add outlier columns themselves
     if PlainLowBitLinear.fits(qt, dtype, device):
         inner = PlainLowBitLinear(qt, int8_activations)

@@ -26,9 +26,10 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 
 def _one_row_in_int16(name: str) -> bool:
-    """Whether one row meets the codes as int16 (the AVX-512 kernel's loop): always without AMX; with AMX, int4 rows
-    (amx_linear_lowbit hands them to that loop; int8 rows keep its exact fp32 vector loop)."""
-    return not AMX or name.startswith("int4")
+    """Whether one row meets the codes as int16 (the AVX-512 kernel's int16 loop): int4 rows on AMX CPUs only
+    (amx_linear_lowbit hands them to it; int8 rows keep its exact fp32 vector loop). Without AMX one row takes
+    the AVX-512 kernel's bf16 tiles, as several do."""
+    return AMX and name.startswith("int4")
 
 
 def _within_kernel_rounding(got: torch.Tensor, exact: torch.Tensor, ulps: int = 1) -> bool:
@@ -43,8 +44,8 @@ def _within_kernel_rounding(got: torch.Tensor, exact: torch.Tensor, ulps: int = 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 16, 17, 33, KERNEL_MAX_ROWS, 300])  # AMX 1-4: its vector loops
 def test_rounds_the_exact_result_once(name, out, inp, rows):
     """Scales go onto each group's fp32 sum, so the output is the exact x @ dequantized.T rounded once
-    to bf16 (within one bf16 step; fp32 summation adds far less). (One row on the AVX-512 kernel, and one int4 row
-    on AMX CPUs, round x to int16 first: the next test.)"""
+    to bf16 (within one bf16 step; fp32 summation adds far less). (One int4 row on AMX CPUs rounds x to int16
+    first: the next test.)"""
     if rows == 1 and _one_row_in_int16(name):
         pytest.skip("one row takes the int16 path here")
     g = torch.Generator().manual_seed(rows + out + inp)
@@ -58,7 +59,7 @@ def test_rounds_the_exact_result_once(name, out, inp, rows):
     assert _within_kernel_rounding(got, exact)
 
 
-@pytest.mark.skipif(not cpu_kernels.vnni_lowbit_available(), reason="the AVX-512 kernel's one-row path")
+@pytest.mark.skipif(not AMX, reason="the AVX-512 kernel's int16 loop, which only AMX CPUs' int4 rows take")
 @pytest.mark.parametrize("name", SCHEMES)
 @pytest.mark.parametrize("inp", [128, 576, 1536])
 def test_one_row_is_within_the_int16_rounding_of_x(name, inp):
@@ -66,7 +67,7 @@ def test_one_row_is_within_the_int16_rounding_of_x(name, inp):
     at most sum_j |w_ij| * max|x in j's run| / 65534 from the exact product, plus the bf16 rounding of the output
     (and 2^-24 of it for the int32 sums' conversion). An outlier channel only coarsens its own run."""
     if not _one_row_in_int16(name):
-        pytest.skip("one int8 row on AMX CPUs takes the exact vector loop")
+        pytest.skip("one int8 row on AMX CPUs takes the exact vector loop")  # int4: amx_linear_lowbit's int16 loop
     torch.manual_seed(inp)
     qt = QuantizedTensor.quantize(torch.randn(96, inp), scheme(name))
     lin = VnniLowBitLinear(qt)
@@ -151,12 +152,13 @@ def test_outlier_columns_are_added_in_full_precision(name, rows, cols):
     assert torch.allclose(lin.dequantize(torch.float32), served, atol=1e-6)
 
 
-@pytest.mark.skipif(not AMX, reason="the AMX kernel's tiles")
+@needs_vnni
 @pytest.mark.parametrize("name", SCHEMES)
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(name):
     """On the tiles each row's sums run in the same order whatever else is in the call, so a prompt gives the same
-    layer outputs whole (300 rows: column blocks widened once, rows 256 at a time) or in prefill chunks of any size
-    the tiles take (int8 below 5 rows, and one int4 row, take the vector loops instead)."""
+    layer outputs whole (300 rows; on AMX column blocks widened once, rows 256 at a time) or in prefill chunks of
+    any size the tiles take. On AMX int8 below 5 rows, and one int4 row, take the vector loops instead; the AVX-512
+    kernel's tiles take every row count, one row too (the batch-invariant path relies on it)."""
     g = torch.Generator().manual_seed(7)
     kept = None if name.endswith("-min") else torch.tensor([3, 40, 41, 300])  # a -min grid need not hold 0
     qt = QuantizedTensor.quantize(torch.randn(96, 576, generator=g), scheme(name), kept)
@@ -165,3 +167,6 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(name):
     whole = lin(x)
     for a, b in [(0, 5), (5, 21), (21, 64), (64, 200), (200, 300), (17, 290)]:
         assert torch.equal(lin(x[a:b]), whole[a:b]), (a, b)
+    if not AMX:
+        for i in (0, 6, 7, 299):  # a tile's first and last row, the next tile's first, the call's last
+            assert torch.equal(lin(x[i : i + 1])[0], whole[i]), i

@@ -17,6 +17,7 @@ from kvyard.errors import InvalidRequestError
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.attention import AttentionMetadata, PrefillSpan
 from kvyard.models.linear import RowInvariantLowBit, RowInvariantWeight
+from kvyard.quant.qlinear import VnniLowBitLinear
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="kvyard's C++ kernels did not build here")
 # Where the default kernels keep each row's sums in one order, so that batch invariance is on by default
@@ -90,10 +91,14 @@ def test_by_default_it_is_on_exactly_where_the_default_kernels_keep_a_rows_order
             assert _greedy(default, prompts)[6] == _greedy(invariant_llm, prompts[6:7])[0]
 
 
-@pytest.mark.parametrize("options", [dict(dtype="float32"), dict(dtype="bfloat16", quantization="gguf")])
-def test_by_default_it_stays_off_where_it_costs_or_does_not_apply(smollm2_path, options):
+@pytest.mark.parametrize(("options", "free"), [
+    (dict(dtype="float32"), False),  # exact, but not the bf16 path
+    # GGUF's own blocks: free where the AVX-512 low-bit kernel takes every row count through its bf16 tiles
+    (dict(dtype="bfloat16", quantization="gguf"), FREE_HERE and cpu_kernels.vnni_lowbit_available()),
+])
+def test_by_default_it_is_off_where_it_costs_or_does_not_apply(smollm2_path, options, free):
     with LLM(model=str(smollm2_path), kv_cache_memory="32MiB", **options) as llm:
-        assert llm.engine.batch_invariant is False
+        assert llm.engine.batch_invariant is free
 
 
 def test_a_lora_adapter_turns_the_default_off_and_is_refused_when_asked_for(smollm2_path, tmp_path):
@@ -189,12 +194,14 @@ def test_kv_handed_over_from_a_prefill_engine_gives_the_colocated_tokens(invaria
 
 
 def test_gguf_blocks_give_a_prompts_tokens_alone_in_a_chunked_batch_and_from_the_cache(smollm2_path):
-    """--quantization gguf: SmolLM2's own Q4_1 blocks through the portable low-bit kernel at every row count."""
+    """--quantization gguf: SmolLM2's own Q4_1 blocks at every row count through the AVX-512 low-bit kernel's bf16
+    tiles where it runs without AMX, else through the portable low-bit kernel."""
     options = dict(model=str(smollm2_path), dtype="bfloat16", quantization="gguf", batch_invariant=True,
                    kv_cache_memory="64MiB")
     with LLM(**options, enable_prefix_caching=False) as whole:
         qkv = whole.engine.runner.model.layers[0].qkv
-        assert isinstance(qkv, RowInvariantLowBit)
+        tiles = cpu_kernels.vnni_lowbit_available() and not cpu_kernels.amx_available()
+        assert isinstance(qkv, VnniLowBitLinear if tiles else RowInvariantLowBit)
         x = torch.randn(9, qkv.in_features).to(torch.bfloat16)
         assert torch.equal(qkv(x[4:5])[0], qkv(x)[4])  # one row as it is among nine
         prompts = _prompts(whole, 7)

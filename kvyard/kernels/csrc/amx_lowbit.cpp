@@ -353,7 +353,7 @@ at::Tensor amx_linear_lowbit(const at::Tensor& x, const at::Tensor& q, const at:
   // partly compute-bound: SmolLM2 int4-g128 h8o5 decode 1.87-1.88x -> 1.99x bf16, Qwen2.5-Coder-0.5B 2.12x -> 2.25x
   // (tools/quant_decode_rates.py, two processes each way, two models stepped in turn).
   if (bits == 4 && x.dim() == 2 && x.size(0) == 1)
-    return vnni_lowbit_linear_ex(x, q, scale, zero, bits, group_size, outlier_cols, outliers, /*prefetch=*/true);
+    return vnni_lowbit_linear_ex(x, q, scale, zero, bits, group_size, outlier_cols, outliers, /*int16_row=*/true);
   const Outliers o = vnni::outliers_of(q, outlier_cols, outliers);
   return vnni::lowbit_blocks_linear(x, q, scale, zero, bits, group_size,
                                     [&o](const uint16_t* xp, const vnni::LowBitBlocks& b, uint16_t* op, int64_t m) {

@@ -17,11 +17,12 @@ at::Tensor amx_linear_lowbit(const at::Tensor& x, const at::Tensor& q, const at:
 at::Tensor vnni_lowbit_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                               const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size,
                               const std::optional<at::Tensor>& outlier_cols, const std::optional<at::Tensor>& outliers);
-// The same, with `prefetch`: one row's streams asked for ahead into L2 (what amx_linear_lowbit's int4 rows take).
+// The same, with `int16_row`: one row through the int16 loop with its streams asked for ahead into L2 (what
+// amx_linear_lowbit's int4 rows take); without it every row count takes the bf16 tiles, whose rows are invariant.
 at::Tensor vnni_lowbit_linear_ex(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                                  const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size,
                                  const std::optional<at::Tensor>& outlier_cols, const std::optional<at::Tensor>& outliers,
-                                 bool prefetch);
+                                 bool int16_row);
 at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                          const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size, int64_t out_features);
 at::Tensor lowbit_linear_i8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,

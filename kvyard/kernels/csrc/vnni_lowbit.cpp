@@ -8,13 +8,17 @@
 // which on a 2-core AMD EPYC (Zen 4) left the row-interleaved kernel (lowbit_linear.cpp) at ~20 G weights a
 // second even with the weights in cache, bound by each block's epilogue at SmolLM2's 576-wide rows.
 //
-// One row of x (a batch-1 decode): x rounded to int16 with one scale per run of up to 128 values (within a
+// One row of x from amx_linear_lowbit (an AMX CPU's batch-1 int4 decode, int16_row): x rounded to int16 with one scale per run of up to 128 values (within a
 // weight group), codes widened to int16, and VPDPWSSD adds each column's pair products into int32, exactly;
 // a run's sums are scaled into fp32 once. The rounding of x moves each value by at most 1/65534 of its run's
 // largest (below bf16's own rounding for values within 128x of it); int32 sums never overflow (at most 128
 // products of 127 * 32767 < 2^31) and round by at most 2^-24 in fp32.
-// Several rows: codes widened to bf16 (exact for these integers; int4 as 128 + u, OR-ed into 128.0's bits) and
-// VDPBF16PS against x's bf16 pairs, exactly as the dense kernels sum (fp32, products exact).
+// Every row count of this op's own calls (the AVX-512 CPUs without AMX it is for): codes widened to bf16 (exact for
+// these integers; int4 as 128 + u, OR-ed into 128.0's bits) and VDPBF16PS against x's bf16 pairs, exactly as the
+// dense kernels sum (fp32, products exact). Each (row, column) is one chain per group whatever the tile, so a row's
+// result does not depend on the rows beside it (the batch-invariant path keeps this kernel). A lone row took the
+// int16 loop here until 2026-12-07: 120 SmolLM2 Q4_1 decode matmuls ran in 3.1-4.0 ms that way against 3.1-3.5 ms
+// through a one-row tile (2-core Zen 4, best of 100, three processes each way alternating).
 // Scales and zero terms apply per group to each column's fp32 sum: y = sum_g scale_g * (x . q_g) + zero_g * sum_g(x),
 // and outlier columns kept in the model's bf16 (their codes zero) add x[:, cols] . outliers in fp32 (VDPBF16PS
 // over the kept columns in pairs).
@@ -116,14 +120,14 @@ inline void widen_int16(const uint8_t* row, __m512i& lo, __m512i& hi) {
   }
 }
 
-// kPrefetch: the streams asked for ahead into L2 (vnni_blocks.h), as the AMX kernel's callers measured it to pay on
-// Intel Xeons; on AMD Zen 4, the CPUs this kernel is for, software prefetch in this loop measured slower (session 16).
-template <int kBits, bool kPrefetch>
+// The streams are asked for ahead into L2 (vnni_blocks.h), as the AMX kernel's callers measured it to pay on Intel
+// Xeons (on AMD Zen 4 software prefetch in this loop measured slower, session 16; Zen 4 does not come here).
+template <int kBits>
 void gemv_block(const Weight& w, const Int16X& x, const float* sums, const Outliers& o, const uint32_t* xo, int64_t nb,
                 at::BFloat16* out) {
   const uint8_t* b = block(w, nb);
   const int64_t col = nb * kBlockCols, groups = num_groups(w.k, w.group), rb = row_bytes(w);
-  if constexpr (kPrefetch) vnni::prefetch_block_extras(w.scale, w.zero, o, nb + 1, w.n, groups);
+  vnni::prefetch_block_extras(w.scale, w.zero, o, nb + 1, w.n, groups);
   __m512 y[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   const int64_t runs = num_groups(w.k, x.run);
   for (int64_t g = 0; g < groups; ++g) {
@@ -139,8 +143,7 @@ void gemv_block(const Weight& w, const Int16X& x, const float* sums, const Outli
       __m512i s[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()}, {_mm512_setzero_si512(), _mm512_setzero_si512()}};
       const int64_t p_end = std::min(g_end, r0 + x.run) / 2;
       for (int64_t p = r0 / 2; p < p_end; p += 2) {  // runs hold an even number of pairs
-        if constexpr (kPrefetch)  // two rows: one line for int4, two for int8
-          for (int64_t off = 0; off < 2 * rb; off += 64) vnni::stream_ahead(b + p * rb + off);
+        for (int64_t off = 0; off < 2 * rb; off += 64) vnni::stream_ahead(b + p * rb + off);
         for (int u = 0; u < 2; ++u) {
           __m512i lo, hi;
           widen_int16<kBits>(b + (p + u) * rb, lo, hi);
@@ -227,17 +230,15 @@ constexpr std::array<TileFn<kBits>, sizeof...(kRows)> tiles(std::integer_sequenc
 }
 
 template <int kBits>
-void matmul(const uint16_t* x, const Weight& w, const Outliers& o, at::BFloat16* out, int64_t m, bool prefetch) {
+void matmul(const uint16_t* x, const Weight& w, const Outliers& o, at::BFloat16* out, int64_t m, bool int16_row) {
   const bool need_sums = kBits == 4 || w.zero != nullptr;
   const std::vector<float> sums = need_sums ? group_sums(x, m, w.k, w.group) : std::vector<float>();
   const float* s = need_sums ? sums.data() : nullptr;
   const std::vector<uint32_t> xo = o.gather(x, m, w.k);
-  if (m == 1) {
+  if (m == 1 && int16_row) {
     const Int16X xq = round_x(x, w.k, w.group);
     at::parallel_for(0, w.n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t nb = begin; nb < end; ++nb)
-        prefetch ? gemv_block<kBits, true>(w, xq, s, o, xo.data(), nb, out)
-                 : gemv_block<kBits, false>(w, xq, s, o, xo.data(), nb, out);
+      for (int64_t nb = begin; nb < end; ++nb) gemv_block<kBits>(w, xq, s, o, xo.data(), nb, out);
     });
     return;
   }
@@ -268,12 +269,12 @@ namespace kvyard::ops {
 at::Tensor vnni_lowbit_linear_ex(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                                  const std::optional<at::Tensor>& zero, int64_t bits, int64_t group_size,
                                  const std::optional<at::Tensor>& outlier_cols, const std::optional<at::Tensor>& outliers,
-                                 bool prefetch) {
+                                 bool int16_row) {
   const Outliers o = vnni::outliers_of(q, outlier_cols, outliers);
   return vnni::lowbit_blocks_linear(x, q, scale, zero, bits, group_size,
-                                    [&o, prefetch](const uint16_t* xp, const Weight& w, uint16_t* op, int64_t m) {
+                                    [&o, int16_row](const uint16_t* xp, const Weight& w, uint16_t* op, int64_t m) {
     auto* out = reinterpret_cast<at::BFloat16*>(op);
-    w.bits == 8 ? matmul<8>(xp, w, o, out, m, prefetch) : matmul<4>(xp, w, o, out, m, prefetch);
+    w.bits == 8 ? matmul<8>(xp, w, o, out, m, int16_row) : matmul<4>(xp, w, o, out, m, int16_row);
   });
 }
 
