@@ -1,6 +1,6 @@
 // Low-bit linear layers with the activations rounded to int8 as they arrive ("dynamic quantization"), registered
 // as torch.ops.kvyard.lowbit_linear_i8: several bf16 rows of x against the portable layout (lowbit_layout.h) in
-// AVX2 integer dot products. A numerics change, so it is off unless asked for (--dynamic-quant); fp32 inputs and
+// AVX2 integer dot products (AVX-512 VNNI ones where the CPU has them, 16 columns a panel). A numerics change, so it is off unless asked for (--dynamic-quant); fp32 inputs and
 // the batch-invariant path never take it.
 //
 // Why: widened_rows.h widens each block of four weight rows to fp32 and spends one FMA per weight per row of x,
@@ -20,9 +20,12 @@
 // int4-g32 (tools/gemm_stream.py --dynamic-quant): 145 GFLOP/s at 32 rows, 201 at 256, 250 at 2,048, against 94,
 // 181 and 184 for this kernel's first version (a block's four weight rows in the lanes of each vector, gathered by
 // vphaddw per chunk) and 43, 102 and 140 for MKL's fp32 GEMM on the dequantized weight.
+// On a 2-core AMD EPYC Zen 4 the AVX-512 VNNI build took SmolLM2 gguf --dynamic-quant at 32 rows from 0.64-0.81x
+// to 0.95-1.05x of the bf16-tile kernel's throughput (kvyard bench offline --compare-dynamic-quant, 2026-12-07).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "lowbit_layout.h"
@@ -35,7 +38,17 @@ using namespace kvyard;
 
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool kCompiled = true;
-constexpr int64_t kPanelCols = 8;  // output columns of one panel: one per fp32 lane
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// AVX-512 VNNI (Zen 4, Xeons): 16 columns a panel, one per 32-bit lane of a 512-bit vector, and VPDPBUSD adds four
+// code-activation products into each int32 lane at once, where AVX2 takes vpmaddubsw, vpmaddwd and an add. The
+// integer dots are exact either way, and each lane's fp32 sum runs the same steps, so both builds give the same bits.
+constexpr bool kWide = true;
+#else
+constexpr bool kWide = false;
+#endif
+constexpr int64_t kSubCols = 8;                        // columns of one 8 x 8 transpose of quads (transpose_quads)
+constexpr int64_t kPanelCols = kWide ? 16 : 8;         // output columns of one panel: one per fp32 lane
+constexpr int64_t kLaneBytes = kPanelCols * 4;         // one panel vector: a quad of k for each column
 constexpr int64_t kQuad = 4;       // consecutive k values of one column in each 32-bit lane of a panel vector
 constexpr int64_t kTileRows = 4;   // rows of x that share each panel vector as it is loaded
 constexpr int64_t kGroupPanels = 16;  // panels prepared together, then swept over every row tile of x
@@ -114,28 +127,29 @@ inline void transpose_quads(__m256i v[8]) {
   }
 }
 
-// Eight output columns made ready for every row of x: per run, 8 vectors of codes (int4: u = q + 8; int8: |q|,
+// kPanelCols output columns made ready for every row of x: per run, 8 vectors of codes (int4: u = q + 8; int8: |q|,
 // each followed by q for its sign), then each column's weight scale and shift (the zero term, less int4's 8 times
 // the scale), which multiplies the run's sum of x.
 struct Panel {
-  std::vector<uint8_t> codes;  // [runs][8 or 16][32]
-  std::vector<float> scale;    // [runs][8]
-  std::vector<float> shift;    // [runs][8], empty where there is none (int8 without zero terms)
+  std::vector<uint8_t> codes;  // [runs][8 or 16][kLaneBytes]
+  std::vector<float> scale;    // [runs][kPanelCols]
+  std::vector<float> shift;    // [runs][kPanelCols], empty where there is none (int8 without zero terms)
 };
 
 template <int kBits>
 constexpr int64_t kRunVectors = kBits == 4 ? 8 : 16;
 
-// Columns n0..n0+7 (the last panel may hold one block of four, the rest zero codes) from the portable layout.
+// Columns n0..n0+7 into the panel's lanes from `lane` on (the last panel may hold a block of four or none, the rest
+// zero codes), from the portable layout.
 template <int kBits>
-void prepare_panel(const uint8_t* q, const float* scale, const float* zero, const LowBitDims& d, int64_t group,
-                   int64_t n0, int64_t runs, Panel& p) {
+void prepare_columns(const uint8_t* q, const float* scale, const float* zero, const LowBitDims& d, int64_t group,
+                     int64_t n0, int64_t lane, int64_t runs, Panel& p) {
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const int64_t blocks = std::min<int64_t>(2, (d.n - n0) / kBlockRows), per_chunk = kBits == 4 ? 2 : 1;
+  const int64_t blocks = std::clamp<int64_t>((d.n - n0) / kBlockRows, 0, 2), per_chunk = kBits == 4 ? 2 : 1;
   for (int64_t run = 0; run < runs; ++run) {
     const int64_t chunk = run / per_chunk, offset = (run % per_chunk) * 16;  // int4: runs A and B share a chunk
-    __m256i v[8];
-    for (int c = 0; c < kPanelCols; ++c) {
+    __m256i v[kSubCols];
+    for (int c = 0; c < kSubCols; ++c) {
       const int64_t b = c / kBlockRows;
       if (b >= blocks) { v[c] = _mm256_setzero_si256(); continue; }
       const uint8_t* src = q + (n0 + b * kBlockRows) * d.row_bytes + (chunk * kBlockRows + c % kBlockRows) * kChunkBytes;
@@ -147,36 +161,86 @@ void prepare_panel(const uint8_t* q, const float* scale, const float* zero, cons
       }
     }
     transpose_quads(v);
-    auto* dst = reinterpret_cast<__m256i*>(p.codes.data() + run * kRunVectors<kBits> * 32);
+    uint8_t* dst = p.codes.data() + run * kRunVectors<kBits> * kLaneBytes + lane * 4;
+    auto put = [&](int at, __m256i value) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + at * kLaneBytes), value);
+    };
     for (int j = 0; j < 8; ++j) {
       if constexpr (kBits == 4) {
-        _mm256_storeu_si256(dst + j, v[j]);
+        put(j, v[j]);
       } else {
-        _mm256_storeu_si256(dst + 2 * j, _mm256_abs_epi8(v[j]));
-        _mm256_storeu_si256(dst + 2 * j + 1, v[j]);
+        put(2 * j, _mm256_abs_epi8(v[j]));
+        put(2 * j + 1, v[j]);
       }
     }
     const int64_t g = run * kInt4Run / group;
-    for (int c = 0; c < kPanelCols; ++c) {
+    for (int c = 0; c < kSubCols; ++c) {
       const bool real = c / kBlockRows < blocks;
       const float s = real ? scale[(n0 + c) * d.groups + g] : 0.0f;
-      p.scale[run * kPanelCols + c] = s;
+      p.scale[run * kPanelCols + lane + c] = s;
       if (!p.shift.empty())
-        p.shift[run * kPanelCols + c] =
+        p.shift[run * kPanelCols + lane + c] =
             real ? (zero != nullptr ? zero[(n0 + c) * d.groups + g] : 0.0f) - (kBits == 4 ? 8.0f * s : 0.0f) : 0.0f;
     }
   }
 }
 
-// kRows rows of x (from row i) against one panel: each row's eight sums in its own fp32 lanes, added run by run in
-// k order, so a row's result never depends on the rows beside it.
+// Columns n0..n0 + kPanelCols - 1, eight at a time.
+template <int kBits>
+void prepare_panel(const uint8_t* q, const float* scale, const float* zero, const LowBitDims& d, int64_t group,
+                   int64_t n0, int64_t runs, Panel& p) {
+  for (int64_t lane = 0; lane < kPanelCols; lane += kSubCols)
+    prepare_columns<kBits>(q, scale, zero, d, group, n0 + lane, lane, runs, p);
+}
+
+// kRows rows of x (from row i) against one panel: each row's kPanelCols sums in its own fp32 lanes, added run by
+// run in k order, so a row's result never depends on the rows beside it.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+template <int kBits, int kRows>
+void panel_tile(const Panel& p, const Int8Rows& x, int64_t i, int64_t k, float* sums) {
+  __m512 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t run = 0; run < x.runs; ++run) {
+    const uint8_t* w = p.codes.data() + run * kRunVectors<kBits> * kLaneBytes;
+    const int8_t* xq = x.q.data() + i * k + run * kInt4Run;
+    __m512i dots[kRows];
+    for (int r = 0; r < kRows; ++r) dots[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      if constexpr (kBits == 4) {  // u <= 15 and |x| <= 127: 32 products a run, far inside int32
+        const __m512i wv = _mm512_loadu_si512(w + j * kLaneBytes);
+        for (int r = 0; r < kRows; ++r) {
+          const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * k + kQuad * j));
+          dots[r] = _mm512_dpbusd_epi32(dots[r], wv, xv);
+        }
+      } else {  // |q| as the unsigned operand, q's sign onto x's codes (never -128: |code| <= 127)
+        const __m512i mag = _mm512_loadu_si512(w + 2 * j * kLaneBytes);
+        const __mmask64 negative = _mm512_movepi8_mask(_mm512_loadu_si512(w + (2 * j + 1) * kLaneBytes));
+        for (int r = 0; r < kRows; ++r) {
+          const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * k + kQuad * j));
+          const __m512i signed_x = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+          dots[r] = _mm512_dpbusd_epi32(dots[r], mag, signed_x);
+        }
+      }
+    }
+    const __m512 scale = _mm512_loadu_ps(p.scale.data() + run * kPanelCols);
+    const bool shifted = !p.shift.empty();
+    const __m512 shift = shifted ? _mm512_loadu_ps(p.shift.data() + run * kPanelCols) : _mm512_setzero_ps();
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t at = (i + r) * x.runs + run;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_mul_ps(scale, _mm512_set1_ps(x.step[at])), acc[r]);
+      if (shifted) acc[r] = _mm512_fmadd_ps(shift, _mm512_set1_ps(x.total[at]), acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(sums + r * kPanelCols, acc[r]);
+}
+#else
 template <int kBits, int kRows>
 void panel_tile(const Panel& p, const Int8Rows& x, int64_t i, int64_t k, float* sums) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t run = 0; run < x.runs; ++run) {
-    const auto* w = reinterpret_cast<const __m256i*>(p.codes.data() + run * kRunVectors<kBits> * 32);
+    const auto* w = reinterpret_cast<const __m256i*>(p.codes.data() + run * kRunVectors<kBits> * kLaneBytes);
     const int8_t* xq = x.q.data() + i * k + run * kInt4Run;
     __m256i dots[kRows];
     for (int r = 0; r < kRows; ++r) dots[r] = _mm256_setzero_si256();
@@ -208,6 +272,7 @@ void panel_tile(const Panel& p, const Int8Rows& x, int64_t i, int64_t k, float* 
   }
   for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(sums + r * kPanelCols, acc[r]);
 }
+#endif
 
 template <int kBits>
 void tile_rows(const Panel& p, const Int8Rows& x, int64_t i, int64_t rows, int64_t k, float* sums) {
@@ -227,7 +292,7 @@ void int8_act_matmul(const float* xf, int64_t m, const uint8_t* q, const float* 
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     const bool shifted = kBits == 4 || zero != nullptr;
     std::vector<Panel> group_panels(std::min(kGroupPanels, end - begin),
-                                    Panel{std::vector<uint8_t>(x.runs * kRunVectors<kBits> * 32),
+                                    Panel{std::vector<uint8_t>(x.runs * kRunVectors<kBits> * kLaneBytes),
                                           std::vector<float>(x.runs * kPanelCols),
                                           std::vector<float>(shifted ? x.runs * kPanelCols : 0)});
     float sums[kTileRows * kPanelCols];
