@@ -213,12 +213,14 @@ def test_gguf_blocks_give_a_prompts_tokens_alone_in_a_chunked_batch_and_from_the
 
 
 @pytest.mark.slow
-def test_qwen25_coder_gives_a_prompts_batch_tokens_alone_and_from_the_cache():
-    """Qwen2.5-Coder-0.5B: 14 heads over 2 KV heads, biased q/k/v, a 151,936-token head; fetches 491 MB."""
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_qwen25_coder_gives_a_prompts_batch_tokens_alone_and_from_the_cache(quantization):
+    """Qwen2.5-Coder-0.5B: 14 heads over 2 KV heads, biased q/k/v, a 151,936-token head; fetches 491 MB. Dense
+    bf16 and the file's own low-bit blocks."""
     from kvyard.loader.registry import resolve_model
 
     with LLM(model=str(resolve_model("qwen2.5-coder-0.5b")), dtype="bfloat16", batch_invariant=True,
-             kv_cache_memory="256MiB", max_num_batched_tokens=100) as llm:
+             quantization=quantization, kv_cache_memory="256MiB", max_num_batched_tokens=100) as llm:
         prompts = _prompts(llm, 7)
         in_batch = _greedy(llm, prompts)  # cold, in a batch of 7, prompts chunked by the 100-token budget
         hits = llm.engine.blocks.hit_tokens
