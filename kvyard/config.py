@@ -126,8 +126,9 @@ class EngineConfig:
     # None (the default): on where the default path already is invariant at no cost (models/invariance.py), else off.
     batch_invariant: bool | None = None
     # Low-bit weights' several-row matmuls (decode batches, prefill chunks) with the activations rounded to int8
-    # per run of 32 values, in integer dot products (csrc/lowbit_int8_act.cpp, AVX2 or AVX-512 VNNI): a numerics change, so off
-    # unless asked for; its KL against the fp32 model is in BENCHMARKS.md. One row keeps its exact-as-bf16 kernel.
+    # per run of 32 values, in integer dot products (csrc/lowbit_int8_act.cpp, AVX2 or AVX-512 VNNI): a numerics
+    # change, so off unless asked for; its KL against the fp32 model is in BENCHMARKS.md. One row keeps its
+    # exact-as-bf16 kernel.
     dynamic_quant: bool = False
     ngram_min: int = 1  # prompt lookup matches the last n tokens, n from ngram_max down to ngram_min
     ngram_max: int = 4

@@ -33,7 +33,7 @@ _HELP = {
                        "the prefix cache or speculation (default: on where it costs nothing, on AVX512-BF16 CPUs "
                        "without AMX for dense bf16 models; elsewhere slower: see README)",
     "dynamic_quant": "low-bit weights' batched matmuls with activations rounded to int8 per 32 values, in integer "
-                     "dot products (AVX2; faster, not exact; see README)",
+                     "dot products (AVX2 or AVX-512 VNNI; faster, not exact; see README)",
     "max_itl_ms": "inter-token target while requests decode: a step takes only the prompt tokens that fit it "
                   "(default: twice a full batch of decodes, by the measured step cost; 0: off)",
     "enable_prefix_caching": "reuse the KV cache of prompt prefixes seen before",

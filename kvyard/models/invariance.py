@@ -9,13 +9,10 @@ prompt token as a row over its own prefix. There the engine switches the
 path on, and says so. Elsewhere the invariant kernels cost throughput (BENCHMARKS.md), so it stays opt-in.
 """
 
-import torch
-
 from kvyard.kernels import cpu as cpu_kernels
 from kvyard.models.attention import prompt_tiles_fit
 from kvyard.models.config import ModelConfig
-from kvyard.models.linear import VnniWeight
-from kvyard.quant.qlinear import VnniLowBitLinear
+from kvyard.models.linear import keeps_row_order
 
 
 def model_gap(cfg: ModelConfig) -> str | None:
@@ -32,15 +29,10 @@ def model_gap(cfg: ModelConfig) -> str | None:
 
 def invariant_by_default(model) -> bool:
     """Whether the loaded `model`'s default path keeps each row's sums in one order (see the module's doc):
-    AVX512-BF16 without AMX, every projection as VNNI blocks (bf16 or low-bit), a head likewise, prompt tiles
-    that fit."""
-    if not (cpu_kernels.available() and cpu_kernels.dpbf16_available()) or cpu_kernels.amx_available():
-        return False
+    every projection and the head in a form whose kernel does (linear.keeps_row_order), and prompt tiles that
+    fit. The head is packed here, once, as the first step would pack it."""
     cfg = model.cfg
-    if not prompt_tiles_fit(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads):
+    if not (cpu_kernels.available() and prompt_tiles_fit(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)):
         return False
     projections = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    head = model.lm_head
-    head_packs = isinstance(head, (VnniWeight, VnniLowBitLinear)) or (
-        isinstance(head, torch.Tensor) and head.dtype == torch.bfloat16 and VnniWeight.fits(head))
-    return head_packs and all(isinstance(w, (VnniWeight, VnniLowBitLinear)) for w in projections)
+    return all(keeps_row_order(w) for w in projections) and keeps_row_order(model._head())

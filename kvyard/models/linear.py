@@ -134,11 +134,20 @@ def row_invariant(w: Weight) -> Weight:
         return RowInvariantWeight(w.contiguous())
     if isinstance(w, PlainLowBitLinear):
         return RowInvariantLowBit(w)
-    if isinstance(w, VnniLowBitLinear) and not cpu_kernels.amx_available():
-        return w  # the AVX-512 kernel's bf16 tiles: one chain per output and group at every row count
+    if keeps_row_order(w):
+        return w
     raise ConfigError(f"batch_invariant does not cover a {type(w).__name__} weight: only dense bf16 weights, the "
                       "portable low-bit kernel's (no outlier columns) and VNNI low-bit blocks on AVX-512 CPUs without "
                       "AMX", param="batch_invariant")
+
+
+def keeps_row_order(w: Weight) -> bool:
+    """Whether `w`'s kernel sums each output of a row in one order whatever rows share the call: the row-invariant
+    forms, and without AMX the VNNI blocks (bf16: dpbf16_linear; low-bit: vnni_lowbit_linear's bf16 tiles), one
+    chain per output at every row count. With AMX both go to AMX tiles, whose blocking follows the call's shape."""
+    if isinstance(w, (RowInvariantWeight, RowInvariantLowBit)):
+        return True
+    return isinstance(w, (VnniWeight, VnniLowBitLinear)) and not cpu_kernels.amx_available()
 
 
 def packable(w: torch.Tensor) -> bool:

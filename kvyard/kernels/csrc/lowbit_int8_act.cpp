@@ -1,7 +1,7 @@
 // Low-bit linear layers with the activations rounded to int8 as they arrive ("dynamic quantization"), registered
 // as torch.ops.kvyard.lowbit_linear_i8: several bf16 rows of x against the portable layout (lowbit_layout.h) in
-// AVX2 integer dot products (AVX-512 VNNI ones where the CPU has them, 16 columns a panel). A numerics change, so it is off unless asked for (--dynamic-quant); fp32 inputs and
-// the batch-invariant path never take it.
+// AVX2 integer dot products (AVX-512 VNNI ones where the CPU has them, 16 columns a panel). A numerics change,
+// so it is off unless asked for (--dynamic-quant); fp32 inputs and the batch-invariant path never take it.
 //
 // Why: widened_rows.h widens each block of four weight rows to fp32 and spends one FMA per weight per row of x,
 // which bounds a 32-row step by FMA throughput. Here vpmaddubsw multiplies 32 code-activation pairs per
@@ -38,14 +38,15 @@ using namespace kvyard;
 
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool kCompiled = true;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // AVX-512 VNNI (Zen 4, Xeons): 16 columns a panel, one per 32-bit lane of a 512-bit vector, and VPDPBUSD adds four
 // code-activation products into each int32 lane at once, where AVX2 takes vpmaddubsw, vpmaddwd and an add. The
 // integer dots are exact either way, and each lane's fp32 sum runs the same steps, so both builds give the same bits.
-constexpr bool kWide = true;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KVYARD_I8_WIDE 1
 #else
-constexpr bool kWide = false;
+#define KVYARD_I8_WIDE 0
 #endif
+constexpr bool kWide = KVYARD_I8_WIDE;
 constexpr int64_t kSubCols = 8;                        // columns of one 8 x 8 transpose of quads (transpose_quads)
 constexpr int64_t kPanelCols = kWide ? 16 : 8;         // output columns of one panel: one per fp32 lane
 constexpr int64_t kLaneBytes = kPanelCols * 4;         // one panel vector: a quad of k for each column
@@ -195,7 +196,7 @@ void prepare_panel(const uint8_t* q, const float* scale, const float* zero, cons
 
 // kRows rows of x (from row i) against one panel: each row's kPanelCols sums in its own fp32 lanes, added run by
 // run in k order, so a row's result never depends on the rows beside it.
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if KVYARD_I8_WIDE
 template <int kBits, int kRows>
 void panel_tile(const Panel& p, const Int8Rows& x, int64_t i, int64_t k, float* sums) {
   __m512 acc[kRows];

@@ -8,8 +8,8 @@
 // which on a 2-core AMD EPYC (Zen 4) left the row-interleaved kernel (lowbit_linear.cpp) at ~20 G weights a
 // second even with the weights in cache, bound by each block's epilogue at SmolLM2's 576-wide rows.
 //
-// One row of x from amx_linear_lowbit (an AMX CPU's batch-1 int4 decode, int16_row): x rounded to int16 with one scale per run of up to 128 values (within a
-// weight group), codes widened to int16, and VPDPWSSD adds each column's pair products into int32, exactly;
+// One row of x from amx_linear_lowbit (an AMX CPU's batch-1 int4 decode, int16_row): x rounded to int16 with one
+// scale per run of up to 128 values (within a weight group), codes widened to int16, and VPDPWSSD adds each column's pair products into int32, exactly;
 // a run's sums are scaled into fp32 once. The rounding of x moves each value by at most 1/65534 of its run's
 // largest (below bf16's own rounding for values within 128x of it); int32 sums never overflow (at most 128
 // products of 127 * 32767 < 2^31) and round by at most 2^-24 in fp32.
