@@ -202,12 +202,17 @@ def _no_reuse(args: argparse.Namespace, tiers: list[str], per_token: float, voca
             if llm.engine.offload:
                 llm.engine.offload.flush()
             rate = sum(map(len, outs)) / (time.perf_counter() - started)
-            results[tier] = {"throughput_tok_s": max(rate, results.get(tier, {}).get("throughput_tok_s", 0.0))}
+            rounds = results.get(tier, {}).get("rounds", []) + [rate]
+            results[tier] = {"throughput_tok_s": max(rounds), "rounds": rounds}
             print(f"no-reuse {tier} round {round_ + 1}: {rate:.1f} tok/s", file=sys.stderr)
             if llm.engine.offload:
                 llm.engine.offload.close()
-    for tier in results:
-        results[tier]["ratio"] = results[tier]["throughput_tok_s"] / results["none"]["throughput_tok_s"]
+    base = results["none"]
+    for tier, r in results.items():
+        r["ratio"] = r["throughput_tok_s"] / base["throughput_tok_s"]
+        # each round against the same round without a tier: the VM's drift between rounds cancels
+        r["round_ratios"] = [a / b for a, b in zip(r["rounds"], base["rounds"], strict=True)]
+        r["median_round_ratio"] = statistics.median(r["round_ratios"])
     return results
 
 

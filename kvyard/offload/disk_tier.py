@@ -61,7 +61,7 @@ class DiskStats:
     hits: int = 0
     evicted: int = 0
     missing: int = 0  # indexed, but the file was gone
-    corrupt: int = 0  # wrong length, CRC-32 or tokens
+    corrupt: int = 0  # wrong length, checksum or tokens
     dropped: int = 0  # writes given up because the queue was full
     write_errors: int = 0  # e.g. a full disk
 
@@ -119,11 +119,11 @@ class DiskTier:
 
     # ---- writing -------------------------------------------------------------------------------------
 
-    def put(self, h: bytes, tokens: tuple[int, ...], tensors: list[list[torch.Tensor]]) -> bool:
+    def put(self, h: bytes, tokens: tuple[int, ...], block: torch.Tensor) -> bool:
         """Queue a block for writing; False when the queue is full (dropped, counted)."""
         if h in self:
             return True
-        queued = self.writer.submit(h, tokens, tensors)
+        queued = self.writer.submit(h, tokens, block)
         self.stats.dropped = self.writer.dropped
         return queued
 
@@ -138,8 +138,8 @@ class DiskTier:
         self.stats.write_errors += 1
         log.warning("disk KV tier: writing a block failed (%s); it stays uncached", e)
 
-    def _write(self, h: bytes, tokens: tuple[int, ...], tensors: list[list[torch.Tensor]]) -> None:
-        parts = encode_parts(tokens, tensors)
+    def _write(self, h: bytes, tokens: tuple[int, ...], block: torch.Tensor) -> None:
+        parts = encode_parts(tokens, block)
         size = sum(len(part) for part in parts)
         path = self._path(h)
         tmp = path.with_suffix(".tmp")

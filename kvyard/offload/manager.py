@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvyard.disagg.blocks import gather_blocks, layer_tensors, scatter_blocks
+from kvyard.disagg.blocks import gather_blocks, layer_tensors, pack_blocks, scatter_blocks
 from kvyard.engine.block_manager import BlockManager
 from kvyard.engine.kv_events import BlockRemoved, BlockStored, KVEvent
 from kvyard.engine.kv_handoff import select_blocks
@@ -46,11 +46,17 @@ Tier = HostTier | DiskTier | RedisTier
 ByteTier = DiskTier | RedisTier
 # Where a block to restore is: a slot of the host tier, or a block read from a tier of bytes
 Found = tuple[HostTier, int] | tuple[ByteTier, TierBlock]
-# Blocks copied out of the pool for the tiers: per block (hash, tokens, tiers that lack it), and their KV
-Gathered = tuple[list[tuple[bytes, tuple[int, ...], list[Tier]]], list[list[torch.Tensor]]]
 # Before a tier's load rate is measured, the share of a pool block's credit a router gives its blocks (Dynamo's)
 DEFAULT_CREDITS = {"host": 0.75, "disk": 0.25, "redis": 0.25}
 SEEN_LIMIT = 1 << 16  # block hashes whose uses admission by reuse remembers (least recently seen out first)
+
+
+@dataclass
+class Gathered:
+    """Blocks copied out of the pool for the tiers that lack them, in the form each kind of tier takes."""
+    items: list[tuple[bytes, tuple[int, ...], list[Tier]]]  # per block: hash, tokens, the tiers that lack it
+    layers: list[list[torch.Tensor]] | None  # per layer, the blocks one after another (for the host tier)
+    packed: torch.Tensor | None  # a row of bytes per block (for the disk and Redis: one buffer to write)
 
 
 @dataclass
@@ -132,35 +138,47 @@ class KVOffload:
         """Copy the queued blocks to the tiers that lack them: one gather out of the pool for all of them."""
         self._store(self._gather_queued())
 
-    def _gather_queued(self) -> "Gathered | None":
+    def _gather_queued(self) -> Gathered | None:
         """The queued blocks (and the tiers that lack each), copied out of the pool, which may then reuse them."""
         queued, self._queued = self._queued, []
         wanted = [(h, t, [tier for tier in self.write_to if tier.lacks(h)]) for _, h, t in queued]
         keep = [i for i, w in enumerate(wanted) if w[2]]
         if not keep:
             return None
-        return [wanted[i] for i in keep], gather_blocks(self.caches, [queued[i][0] for i in keep], self.block_size)
+        items, ids = [wanted[i] for i in keep], [queued[i][0] for i in keep]
+        tiers = [tier for _, _, lacking in items for tier in lacking]
+        host = any(isinstance(tier, HostTier) for tier in tiers)
+        to_bytes = not all(isinstance(tier, HostTier) for tier in tiers)
+        return Gathered(items, gather_blocks(self.caches, ids, self.block_size) if host else None,
+                        pack_blocks([layer_tensors(c) for c in self.caches], ids, self.block_size) if to_bytes else None)
 
-    def _store(self, gathered: "Gathered | None") -> None:
+    def _store(self, gathered: Gathered | None) -> None:
         if gathered is None:
             return
-        wanted, src = gathered
+        items = gathered.items
         for tier in self.write_to:
-            rows = [i for i, w in enumerate(wanted) if tier in w[2]]
+            rows = [i for i, w in enumerate(items) if tier in w[2]]
+            if not rows:
+                continue
             if isinstance(tier, HostTier):
-                evicted = tier.store([wanted[i][:2] for i in rows], select_blocks(src, rows, self.block_size))
+                assert gathered.layers is not None
+                evicted = tier.store([items[i][:2] for i in rows], select_blocks(gathered.layers, rows, self.block_size))
                 if evicted is not None:
                     self._demote(evicted)
             else:
-                for i in rows:  # views of this step's gather, which the writer keeps until it has written them
-                    tier.put(wanted[i][0], wanted[i][1], select_blocks(src, [i], self.block_size))
+                assert gathered.packed is not None
+                for i in rows:  # rows of this step's copy, which the writer keeps until it has written them
+                    tier.put(items[i][0], items[i][1], gathered.packed[i])
 
     def _demote(self, evicted: Evicted) -> None:
         """Exclusive tiers: what the host tier evicted goes down to the disk."""
+        packed = None
         for tier in self.demote_to:
             for i, (h, tokens) in enumerate(evicted.items):
                 if tier.lacks(h):
-                    tier.put(h, tokens, select_blocks(evicted.tensors, [i], self.block_size))
+                    if packed is None:
+                        packed = pack_blocks(evicted.tensors, list(range(len(evicted.items))), self.block_size)
+                    tier.put(h, tokens, packed[i])
 
     # ---- restoring -----------------------------------------------------------------------------------
 

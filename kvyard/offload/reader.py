@@ -1,6 +1,6 @@
 """Reads blocks from the tiers of bytes (disk, Redis) on threads of their own, so the engine keeps stepping the
 running requests while a waiting request's prefix comes back (vLLM's "waiting for remote KVs", SGLang HiCache's
-prefetch). A few threads: a remote tier's reads wait mostly on the network, and the rest (file reads, the CRC)
+prefetch). A few threads: a remote tier's reads wait mostly on the network, and the rest (file reads, the checksum)
 releases the GIL, so a prompt's blocks are read side by side.
 
 A block two waiting requests share is read once: the second request gets the first one's future.

@@ -107,20 +107,20 @@ class RedisTier:
         every block it writes); the writer asks Redis, and its SET NX leaves a block another replica wrote first."""
         return self.available and h not in self.writer.pending
 
-    def put(self, h: bytes, tokens: tuple[int, ...], tensors: list[list[torch.Tensor]]) -> bool:
+    def put(self, h: bytes, tokens: tuple[int, ...], block: torch.Tensor) -> bool:
         if not self.available:
             return False
-        queued = self.writer.submit(h, tokens, tensors)
+        queued = self.writer.submit(h, tokens, block)
         self.stats.dropped = self.writer.dropped
         return queued
 
-    def _write(self, h: bytes, tokens: tuple[int, ...], tensors: list[list[torch.Tensor]]) -> None:
+    def _write(self, h: bytes, tokens: tuple[int, ...], block: torch.Tensor) -> None:
         if not self.available:
             return
         key = self._key(h)
         if self.client.exists(key):  # asked here, on the writer's thread, so that a block's bytes cross only once
             return
-        data = encode_block(tokens, tensors)
+        data = encode_block(tokens, block)
         if not self.client.set(key, data, ex=self.ttl_s, nx=True):
             return  # another replica wrote it meanwhile
         self.stats.stored += 1

@@ -11,11 +11,11 @@ import torch
 
 from kvyard.background import BoundedWorker
 
-Write = tuple[bytes, tuple[int, ...], list[list[torch.Tensor]]]
+Write = tuple[bytes, tuple[int, ...], torch.Tensor]  # hash, tokens, the block packed (codec.pack_block)
 
 
 class QueuedWriter:
-    def __init__(self, write: Callable[[bytes, tuple[int, ...], list[list[torch.Tensor]]], None], name: str,
+    def __init__(self, write: Callable[[bytes, tuple[int, ...], torch.Tensor], None], name: str,
                  max_pending: int, on_error: Callable[[Exception], None]):
         self.write = write
         self.lock = threading.Lock()
@@ -24,14 +24,14 @@ class QueuedWriter:
         self._worker: BoundedWorker[Write] = BoundedWorker(lambda w: self.write(*w), f"kvyard-kv-{name}", max_pending,
                                                            on_error, after=self._written)
 
-    def submit(self, h: bytes, tokens: tuple[int, ...], tensors: list[list[torch.Tensor]]) -> bool:
-        """Queue a block (tensors the caller no longer writes); False when the queue is full (dropped)."""
+    def submit(self, h: bytes, tokens: tuple[int, ...], block: torch.Tensor) -> bool:
+        """Queue a block (bytes the caller no longer writes); False when the queue is full (dropped)."""
         with self.lock:
             if h in self.pending:
                 return True
             self.pending.add(h)
-        if not self._worker.submit((h, tokens, tensors)):
-            self._written((h, tokens, tensors))
+        if not self._worker.submit((h, tokens, block)):
+            self._written((h, tokens, block))
             self.dropped += 1
             return False
         return True

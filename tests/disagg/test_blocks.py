@@ -1,10 +1,11 @@
 import pytest
 import torch
 
-from kvyard.disagg.blocks import gather_blocks, scatter_blocks
+from kvyard.disagg.blocks import gather_blocks, layer_tensors, pack_blocks, scatter_blocks
 from kvyard.disagg.layout import KVLayout
 from kvyard.engine.kv_cache import bytes_per_block
 from kvyard.models.config import ModelConfig
+from kvyard.offload.codec import decode_block, encode_block, pack_block
 from tests.disagg.conftest import BLOCK, make_caches
 
 
@@ -30,6 +31,23 @@ def test_gather_scatter_round_trip_is_bit_exact(dtype, int8):
     # int8: values and scales move as stored, so the dequantized KV reads back the same
     slots = torch.arange(BLOCK)
     assert torch.equal(src[0].read_slots(slots + 7 * BLOCK, dtype)[0], dst[0].read_slots(slots + 5 * BLOCK, dtype)[0])
+
+
+@pytest.mark.parametrize("dtype,int8", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)])
+def test_packed_rows_are_each_blocks_bytes_as_a_tier_stores_them(dtype, int8):
+    """pack_blocks gives every block its own row of bytes: the same bytes as that block's gathered tensors,
+    which a tier's codec turns back into the same tensors (int8 scales are narrower rows than the values)."""
+    src, ids = make_caches(dtype, int8), [7, 2, 11, 3]
+    packed = pack_blocks([layer_tensors(c) for c in src], ids, BLOCK)
+    assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.shape[0] == len(ids)
+    layout = [[(tuple(t[:BLOCK].shape), t.dtype) for t in layer_tensors(c)] for c in src]
+    for row, block_id in enumerate(ids):
+        one = gather_blocks(src, [block_id], BLOCK)
+        assert torch.equal(packed[row], pack_block(one))
+        tokens = tuple(range(row, row + BLOCK))
+        back = decode_block(encode_block(tokens, packed[row]), tokens, layout)
+        assert back is not None
+        assert all(torch.equal(a, b) for la, lb in zip(one, back, strict=True) for a, b in zip(la, lb, strict=True))
 
 
 def test_scatter_refuses_wrong_tensor_count():

@@ -5,6 +5,7 @@ import threading
 
 import torch
 
+from kvyard.offload.codec import pack_block
 from kvyard.offload.disk_tier import DiskTier
 
 LAYOUT = [[((4, 2, 8), torch.bfloat16), ((4, 2, 8), torch.bfloat16)] for _ in range(3)]
@@ -13,6 +14,11 @@ LAYOUT = [[((4, 2, 8), torch.bfloat16), ((4, 2, 8), torch.bfloat16)] for _ in ra
 def _block(seed: int) -> list[list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [[torch.randn(shape, generator=g).to(dtype) for shape, dtype in layer] for layer in LAYOUT]
+
+
+def _packed(seed: int) -> torch.Tensor:
+    """The block as a tier is given it: its bytes in one row."""
+    return pack_block(_block(seed))
 
 
 def _tier(root, capacity=1 << 20, fingerprint="f1") -> DiskTier:
@@ -25,7 +31,7 @@ def _same(a, b) -> bool:
 
 def test_blocks_survive_a_new_tier_on_the_same_directory_only_for_the_same_fingerprint(tmp_path):
     tier = _tier(tmp_path)
-    assert tier.put(b"\x01" * 32, (1, 2, 3, 4), _block(1))
+    assert tier.put(b"\x01" * 32, (1, 2, 3, 4), _packed(1))
     tier.flush()
     tier.close()
     again = _tier(tmp_path)
@@ -36,12 +42,12 @@ def test_blocks_survive_a_new_tier_on_the_same_directory_only_for_the_same_finge
 
 def test_the_directory_stays_within_its_capacity(tmp_path):
     one = _tier(tmp_path / "probe")
-    one.put(b"\x00" * 32, (0,) * 4, _block(0))
+    one.put(b"\x00" * 32, (0,) * 4, _packed(0))
     one.flush()
     size = one.used_bytes
     tier = _tier(tmp_path, capacity=3 * size)
     for i in range(5):
-        tier.put(bytes([i]) * 32, (i,) * 4, _block(i))
+        tier.put(bytes([i]) * 32, (i,) * 4, _packed(i))
         tier.flush()
     assert tier.used_bytes <= 3 * size and len(tier) == 3 and tier.stats.evicted == 2
     assert len(list(tier.dir.glob("*.kv"))) == 3
@@ -52,11 +58,11 @@ def test_damaged_files_are_counted_misses_and_removed(tmp_path):
     tier = _tier(tmp_path)
     keys = [bytes([i]) * 32 for i in range(4)]
     for i, h in enumerate(keys):
-        tier.put(h, (i,) * 4, _block(i))
+        tier.put(h, (i,) * 4, _packed(i))
     tier.flush()
     path = tier._path
     data = path(keys[0]).read_bytes()
-    path(keys[0]).write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # one flipped byte: the CRC-32 catches it
+    path(keys[0]).write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # one flipped byte: the checksum catches it
     path(keys[1]).write_bytes(data[: len(data) // 2])  # truncated
     path(keys[2]).unlink()  # deleted behind the index's back
     assert tier.get(keys[0], (0,) * 4) is None and tier.get(keys[1], (1,) * 4) is None
@@ -77,10 +83,10 @@ def test_a_full_queue_drops_the_write_and_counts_it(tmp_path):
         write(*args)
 
     tier.writer.write = slow_write
-    assert tier.put(b"\x00" * 32, (0,) * 4, _block(0))
+    assert tier.put(b"\x00" * 32, (0,) * 4, _packed(0))
     assert writing.wait(10)  # the writer holds the first block
-    assert tier.put(b"\x01" * 32, (1,) * 4, _block(1))  # the queue's one place
-    assert not tier.put(b"\x02" * 32, (2,) * 4, _block(2))  # no room: dropped, not waited for
+    assert tier.put(b"\x01" * 32, (1,) * 4, _packed(1))  # the queue's one place
+    assert not tier.put(b"\x02" * 32, (2,) * 4, _packed(2))  # no room: dropped, not waited for
     release.set()
     tier.flush()
     assert (tier.stats.stored, tier.stats.dropped) == (2, 1)

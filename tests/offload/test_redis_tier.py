@@ -6,13 +6,13 @@ import time
 import redis
 
 from kvyard.offload.redis_tier import RedisTier
-from tests.offload.test_disk_tier import LAYOUT, _block, _same
+from tests.offload.test_disk_tier import LAYOUT, _block, _packed, _same
 
 
 def test_blocks_round_trip_and_damage_is_a_counted_miss(redis_server):
     tier = RedisTier(redis_server.url, LAYOUT, "f1")
     h = b"\x07" * 32
-    assert h not in tier and tier.put(h, (1, 2, 3, 4), _block(7))
+    assert h not in tier and tier.put(h, (1, 2, 3, 4), _packed(7))
     tier.flush()
     assert h in tier and tier.stats.stored == 1
     got = RedisTier(redis_server.url, LAYOUT, "f1").get(h, (1, 2, 3, 4))  # another replica reads it
@@ -21,21 +21,21 @@ def test_blocks_round_trip_and_damage_is_a_counted_miss(redis_server):
     client = redis.Redis.from_url(redis_server.url)
     client.set(tier._key(h), client.get(tier._key(h))[:-5])  # truncated
     assert tier.get(h, (1, 2, 3, 4)) is None and tier.stats.corrupt == 1
-    tier.put(b"\x08" * 32, (5,) * 4, _block(8))
+    tier.put(b"\x08" * 32, (5,) * 4, _packed(8))
     tier.flush()
     assert 0 < client.ttl(tier._key(b"\x08" * 32)) <= tier.ttl_s
 
 
 def test_a_stopped_server_is_skipped_fast_and_counted(redis_server):
     tier = RedisTier(redis_server.url, LAYOUT, "f1")
-    tier.put(b"\x01" * 32, (1,) * 4, _block(1))
+    tier.put(b"\x01" * 32, (1,) * 4, _packed(1))
     tier.flush()
     redis_server.stop()
     started = time.monotonic()
     assert tier.get(b"\x01" * 32, (1,) * 4) is None
     assert time.monotonic() - started < 2.0 and tier.stats.unreachable == 1 and not tier.available
     assert tier.get(b"\x01" * 32, (1,) * 4) is None and tier.stats.unreachable == 1  # skipped, not retried
-    assert not tier.put(b"\x02" * 32, (2,) * 4, _block(2))
+    assert not tier.put(b"\x02" * 32, (2,) * 4, _packed(2))
 
 
 def test_the_engine_thread_asks_redis_nothing_to_write_and_a_block_is_written_once(redis_server):
@@ -44,8 +44,8 @@ def test_the_engine_thread_asks_redis_nothing_to_write_and_a_block_is_written_on
     a.client = b.client = None  # any call from here on the caller's thread would fail
     assert a.lacks(h)  # no round trip: the writer thread asks
     a.client = b.client = redis.Redis.from_url(redis_server.url)
-    a.put(h, (9,) * 4, _block(9))
+    a.put(h, (9,) * 4, _packed(9))
     a.flush()
-    b.put(h, (9,) * 4, _block(9))  # another replica writes the same block: already there, not written again
+    b.put(h, (9,) * 4, _packed(9))  # another replica writes the same block: already there, not written again
     b.flush()
     assert a.stats.stored == 1 and b.stats.stored == 0
