@@ -39,6 +39,17 @@ def encode_parts(tokens: tuple[int, ...], block: torch.Tensor) -> list[bytes | m
     return [_HEADER.pack(MAGIC, len(tokens), digest.intdigest(), sum(len(part) for part in parts)), *parts]
 
 
+HEADER_SIZE = _HEADER.size
+
+
+def encoded_length(header: bytes) -> int | None:
+    """From an entry's first HEADER_SIZE bytes, the length of the whole entry; None if they are not a header."""
+    if len(header) < HEADER_SIZE:
+        return None
+    magic, _, _, length = _HEADER.unpack_from(header)
+    return HEADER_SIZE + length if magic == MAGIC else None
+
+
 def encode_block(tokens: tuple[int, ...], block: torch.Tensor) -> bytes:
     return b"".join(encode_parts(tokens, block))
 

@@ -45,31 +45,79 @@ def test_the_directory_stays_within_its_capacity(tmp_path):
     one.put(b"\x00" * 32, (0,) * 4, _packed(0))
     one.flush()
     size = one.used_bytes
-    tier = _tier(tmp_path, capacity=3 * size)
+    tier = _tier(tmp_path, capacity=3 * size)  # segments of a sixteenth of that: a block each
     for i in range(5):
         tier.put(bytes([i]) * 32, (i,) * 4, _packed(i))
         tier.flush()
-    assert tier.used_bytes <= 3 * size and len(tier) == 3 and tier.stats.evicted == 2
-    assert len(list(tier.dir.glob("*.kv"))) == 3
+        assert tier.used_bytes <= 3 * size and sum(p.stat().st_size for p in tier.dir.glob("*.kvs")) == tier.used_bytes
+    assert len(tier) == 3 and tier.stats.evicted == 2 and len(list(tier.dir.glob("*.kvs"))) == 3
     assert tier.get(bytes([0]) * 32, (0,) * 4) is None and tier.get(bytes([4]) * 32, (4,) * 4) is not None
 
 
-def test_damaged_files_are_counted_misses_and_removed(tmp_path):
+def test_segments_go_least_recently_used_first_whole(tmp_path):
+    """Blocks share segment files; room is made a segment at a time, and a hit keeps its segment."""
+    probe = _tier(tmp_path / "probe")
+    probe.put(b"\x00" * 32, (0,) * 4, _packed(0))
+    probe.flush()
+    size = probe.used_bytes
+    tier = DiskTier(tmp_path, 6 * size, LAYOUT, "f1", segment_bytes=2 * size)  # two blocks a segment
+    keys = [bytes([i]) * 32 for i in range(8)]
+    for i in range(6):
+        tier.put(keys[i], (i,) * 4, _packed(i))
+    tier.flush()
+    assert len(list(tier.dir.glob("*.kvs"))) == 3 and len(tier) == 6
+    assert tier.get(keys[0], (0,) * 4) is not None  # the first segment is now the most recently used
+    for i in (6, 7):
+        tier.put(keys[i], (i,) * 4, _packed(i))
+    tier.flush()
+    assert tier.used_bytes <= 6 * size and tier.stats.evicted == 2
+    assert [k in tier for k in keys] == [True, True, False, False, True, True, True, True]
+
+
+def _records(tier):
+    """Each block's (segment path, offset, length), as the index has them."""
+    return {h: (seg.path, offset, length) for h, (seg, offset, length) in tier.index.items()}
+
+
+def test_damaged_records_are_counted_misses_and_leave_the_index(tmp_path):
     tier = _tier(tmp_path)
-    keys = [bytes([i]) * 32 for i in range(4)]
+    keys = [bytes([i]) * 32 for i in range(5)]
     for i, h in enumerate(keys):
         tier.put(h, (i,) * 4, _packed(i))
     tier.flush()
-    path = tier._path
-    data = path(keys[0]).read_bytes()
-    path(keys[0]).write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # one flipped byte: the checksum catches it
-    path(keys[1]).write_bytes(data[: len(data) // 2])  # truncated
-    path(keys[2]).unlink()  # deleted behind the index's back
-    assert tier.get(keys[0], (0,) * 4) is None and tier.get(keys[1], (1,) * 4) is None
-    assert tier.get(keys[2], (2,) * 4) is None
+    records = _records(tier)
+    path, offset, length = records[keys[1]]
+    assert {p for p, _, _ in records.values()} == {path}  # one segment holds them all
+    data = bytearray(path.read_bytes())
+    data[offset + length - 1] ^= 0xFF  # one flipped byte in block 1: the checksum catches it
+    path.write_bytes(bytes(data[: records[keys[4]][1] + length // 2]))  # and block 4 cut in half
+    assert tier.get(keys[1], (1,) * 4) is None and tier.get(keys[4], (4,) * 4) is None
     assert tier.get(keys[3], (9,) * 4) is None  # other tokens under the same hash
-    assert (tier.stats.corrupt, tier.stats.missing) == (3, 1)
-    assert len(tier) == 0 and not list(tier.dir.glob("*.kv"))
+    got = tier.get(keys[0], (0,) * 4), tier.get(keys[2], (2,) * 4)  # the records around them still read
+    assert all(g is not None for g in got) and _same(got[1].tensors, _block(2))
+    assert (tier.stats.corrupt, tier.stats.missing) == (3, 0) and sorted(tier.index) == [keys[0], keys[2]]
+    path.unlink()  # the segment deleted behind the index's back: every block in it is a miss
+    assert tier.get(keys[0], (0,) * 4) is None and tier.stats.missing == 1 and len(tier) == 0
+    assert tier.used_bytes == 0
+
+
+def test_a_new_tier_finds_the_whole_records_of_a_torn_segment(tmp_path):
+    """A worker stopped in the middle of a write: the records before the tear are found, the rest is not."""
+    tier = _tier(tmp_path)
+    keys = [bytes([i]) * 32 for i in range(3)]
+    for i, h in enumerate(keys):
+        tier.put(h, (i,) * 4, _packed(i))
+    tier.flush()
+    tier.close()
+    path, offset, _ = _records(tier)[keys[2]]
+    path.write_bytes(path.read_bytes()[: offset + 10])
+    (tier.dir / "0123.kv").write_bytes(b"a file per block, as tiers wrote before segments")
+    again = _tier(tmp_path)
+    assert sorted(again.index) == keys[:2] and not list(again.dir.glob("*.kv"))
+    assert _same(again.get(keys[1], (1,) * 4).tensors, _block(1)) and again.get(keys[2], (2,) * 4) is None
+    again.put(b"\x09" * 32, (9,) * 4, _packed(9))  # written to a segment of its own, after the torn one
+    again.flush()
+    assert _same(again.get(b"\x09" * 32, (9,) * 4).tensors, _block(9))
 
 
 def test_a_full_queue_drops_the_write_and_counts_it(tmp_path):
