@@ -208,7 +208,7 @@ def _no_reuse(args: argparse.Namespace, tiers: list[str], per_token: float, voca
             if llm.engine.offload:
                 llm.engine.offload.close()
     base = results["none"]
-    for tier, r in results.items():
+    for r in results.values():
         r["ratio"] = r["throughput_tok_s"] / base["throughput_tok_s"]
         # each round against the same round without a tier: the VM's drift between rounds cancels
         r["round_ratios"] = [a / b for a, b in zip(r["rounds"], base["rounds"], strict=True)]

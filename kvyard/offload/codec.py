@@ -22,15 +22,9 @@ _HEADER = struct.Struct("<5sIQQ")  # magic, tokens, xxh3-64(body), len(body)
 BlockLayout = list[list[tuple[tuple[int, ...], torch.dtype]]]
 
 
-def pack_block(tensors: list[list[torch.Tensor]]) -> torch.Tensor:
-    """One block's tensors (per layer, as the cache stores them) as the body's bytes after the tokens: what
-    disagg.blocks.pack_blocks gives for each block of many."""
-    return torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for layer in tensors for t in layer])
-
-
 def encode_parts(tokens: tuple[int, ...], block: torch.Tensor) -> list[bytes | memoryview]:
     """The block's bytes as buffers to write one after another (os.writev): the header, the tokens, and the
-    packed block's memory itself (uint8, as pack_block lays it out), not a copy, its checksum computed in place."""
+    packed block's memory itself (uint8, as disagg.blocks.pack_blocks lays out a row), not a copy, its checksum computed in place."""
     parts: list[bytes | memoryview] = [np.asarray(tokens, dtype=np.int64).tobytes(),
                                        memoryview(block.contiguous().numpy())]
     digest = xxhash.xxh3_64()
@@ -64,23 +58,29 @@ def decode_block(data: bytes, tokens: tuple[int, ...], layout: BlockLayout) -> l
         return None
     if tuple(np.frombuffer(body, dtype=np.int64, count=n).tolist()) != tokens:
         return None
-    offset, out = 8 * n, []
-    buf = torch.frombuffer(bytearray(body), dtype=torch.uint8)  # one writable copy; the tensors are views of it
+    # one writable copy; the tensors are views of it
+    return unpack_block(torch.frombuffer(bytearray(body), dtype=torch.uint8)[8 * n :], layout)
+
+
+def unpack_block(row: torch.Tensor, layout: BlockLayout) -> list[list[torch.Tensor]] | None:
+    """A block's tensors as views of its packed bytes (uint8, as disagg.blocks.pack_blocks lays out a row);
+    None when the row is not the layout's size."""
     kinds = {kind for layer in layout for kind in layer}
     if len(kinds) == 1 and len({len(layer) for layer in layout}) == 1:  # the usual layout: one view, then unbind
         ((shape, dtype),) = kinds
         per_layer = len(layout[0])
-        if len(body) - offset != len(layout) * per_layer * int(np.prod(shape)) * dtype.itemsize:
+        if len(row) != len(layout) * per_layer * int(np.prod(shape)) * dtype.itemsize:
             return None
-        grid = buf[offset:].view(dtype).view(len(layout), per_layer, *shape)
+        grid = row.view(dtype).view(len(layout), per_layer, *shape)
         return [list(layer.unbind(0)) for layer in grid.unbind(0)]
+    offset, out = 0, []
     for layer in layout:
         tensors = []
         for shape, dtype in layer:
             size = int(np.prod(shape)) * dtype.itemsize
-            if offset + size > len(body):
+            if offset + size > len(row):
                 return None
-            tensors.append(buf[offset : offset + size].view(dtype).view(shape))
+            tensors.append(row[offset : offset + size].view(dtype).view(shape))
             offset += size
         out.append(tensors)
-    return out if offset == len(body) else None
+    return out if offset == len(row) else None

@@ -12,8 +12,10 @@ writer 0.65-0.74 ms of CPU a block (the inode, its extents, the journal), append
 With every evicted block written, that difference was the no-reuse benchmark's 4 %.
 
 Writes go through a QueuedWriter (a full queue drops the write and counts it); only its thread appends, and a
-block enters the index once its record is whole, so a reader never sees half of one. A missing segment, or a
-truncated or corrupt record, is a miss, counted, and the block leaves the index: the request recomputes.
+block enters the index once its record is whole, so a reader never sees half of one. A block still in the
+queue counts as there (a restore plans on it), and a read serves it from the queue's packed row. A missing
+segment, or a truncated or corrupt record, is a miss, counted, and the block leaves the index: the request
+recomputes.
 Capacity: before a record is appended, the least recently used segments (a write or a hit refreshes its
 segment) are removed until it fits, so the directory never holds more than its budget. Segments are at most a
 sixteenth of it, so eviction drops a small share of the cache at a time.
@@ -30,7 +32,14 @@ from pathlib import Path
 
 import torch
 
-from kvyard.offload.codec import HEADER_SIZE, BlockLayout, decode_block, encode_parts, encoded_length
+from kvyard.offload.codec import (
+    HEADER_SIZE,
+    BlockLayout,
+    decode_block,
+    encode_parts,
+    encoded_length,
+    unpack_block,
+)
 from kvyard.offload.host_tier import OnChange, TierBlock, tensors_nbytes
 from kvyard.offload.writer import QueuedWriter
 
@@ -207,7 +216,8 @@ class DiskTier:
             os.ftruncate(fd, offset)  # e.g. a full disk: no half record left behind
             with self._lock:
                 seg.size -= size
-                self.used_bytes -= size
+                if seg.path.name in self.segments:  # else _lose already took the segment's bytes off the count
+                    self.used_bytes -= size
             raise
         with self._lock:
             if seg.path.name in self.segments:  # else it was found missing meanwhile: the block is lost with it
@@ -255,12 +265,15 @@ class DiskTier:
     # ---- reading -------------------------------------------------------------------------------------
 
     def get(self, h: bytes, tokens: tuple[int, ...]) -> TierBlock | None:
-        with self._lock:
-            entry = self.index.get(h)
+        entry = self._entry(h)
+        if entry is None:  # `in` counts a block still queued for writing: serve it from the queue
+            queued = self.writer.queued(h)
+            if queued is not None:
+                return self._hit(tokens, unpack_block(queued[2], self.layout) if queued[1] == tokens else None)
+            entry = self._entry(h)  # written between the two looks (the index gains it before the queue drops it)
             if entry is None:
                 return None
-            seg, offset, length = entry
-            self.segments.move_to_end(seg.path.name)
+        seg, offset, length = entry
         try:
             fd = os.open(seg.path, os.O_RDONLY)
         except FileNotFoundError:
@@ -270,8 +283,19 @@ class DiskTier:
         finally:
             os.close(fd)
         tensors = decode_block(data, tokens, self.layout)  # a short read (a truncated file) fails its checks
+        return self._hit(tokens, tensors) if tensors is not None else self._drop(h)
+
+    def _entry(self, h: bytes) -> tuple[Segment, int, int] | None:
+        """Where the block is (its segment now the most recently used), or None."""
+        with self._lock:
+            entry = self.index.get(h)
+            if entry is not None:
+                self.segments.move_to_end(entry[0].path.name)
+            return entry
+
+    def _hit(self, tokens: tuple[int, ...], tensors: list[list[torch.Tensor]] | None) -> TierBlock | None:
         if tensors is None:
-            return self._drop(h)
+            return None
         self.stats.hits += 1
         return TierBlock(tokens, tensors, tensors_nbytes(tensors))
 

@@ -1,7 +1,8 @@
 """Writes of KV blocks to a slow tier, off the engine's thread: one writer thread behind a bounded queue.
 
 The engine never waits on a write: when the queue is full the block is dropped (and counted), and it stays in
-the faster tiers or is recomputed later. `pending` lets a tier answer "is it there?" for blocks still queued.
+the faster tiers or is recomputed later. `pending` lets a tier answer "is it there?" for blocks still queued,
+and `queued` lets it serve them before they are written.
 """
 
 import threading
@@ -11,7 +12,7 @@ import torch
 
 from kvyard.background import BoundedWorker
 
-Write = tuple[bytes, tuple[int, ...], torch.Tensor]  # hash, tokens, the block packed (codec.pack_block)
+Write = tuple[bytes, tuple[int, ...], torch.Tensor]  # hash, tokens, the block as one row of bytes (disagg.blocks.pack_blocks)
 
 
 class QueuedWriter:
@@ -19,7 +20,7 @@ class QueuedWriter:
                  max_pending: int, on_error: Callable[[Exception], None]):
         self.write = write
         self.lock = threading.Lock()
-        self.pending: set[bytes] = set()
+        self.pending: dict[bytes, Write] = {}  # by hash, the writes queued or under way
         self.dropped = 0
         self._worker: BoundedWorker[Write] = BoundedWorker(lambda w: self.write(*w), f"kvyard-kv-{name}", max_pending,
                                                            on_error, after=self._written)
@@ -29,12 +30,17 @@ class QueuedWriter:
         with self.lock:
             if h in self.pending:
                 return True
-            self.pending.add(h)
+            self.pending[h] = (h, tokens, block)
         if not self._worker.submit((h, tokens, block)):
             self._written((h, tokens, block))
             self.dropped += 1
             return False
         return True
+
+    def queued(self, h: bytes) -> Write | None:
+        """The write of this block, while it is queued or under way."""
+        with self.lock:
+            return self.pending.get(h)
 
     def flush(self) -> None:
         self._worker.flush()
@@ -44,4 +50,4 @@ class QueuedWriter:
 
     def _written(self, w: Write) -> None:
         with self.lock:
-            self.pending.discard(w[0])
+            self.pending.pop(w[0], None)

@@ -5,7 +5,7 @@ import threading
 
 import torch
 
-from kvyard.offload.codec import pack_block
+from kvyard.disagg.blocks import pack_blocks
 from kvyard.offload.disk_tier import DiskTier
 
 LAYOUT = [[((4, 2, 8), torch.bfloat16), ((4, 2, 8), torch.bfloat16)] for _ in range(3)]
@@ -18,11 +18,27 @@ def _block(seed: int) -> list[list[torch.Tensor]]:
 
 def _packed(seed: int) -> torch.Tensor:
     """The block as a tier is given it: its bytes in one row."""
-    return pack_block(_block(seed))
+    return pack_blocks(_block(seed), [0], LAYOUT[0][0][0][0])[0]
 
 
 def _tier(root, capacity=1 << 20, fingerprint="f1") -> DiskTier:
     return DiskTier(root, capacity, LAYOUT, fingerprint)
+
+
+def _fill(tier, n: int) -> list[bytes]:
+    """Blocks 0..n-1 written (hash i repeated, tokens (i,) * 4); their hashes."""
+    keys = [bytes([i]) * 32 for i in range(n)]
+    for i, h in enumerate(keys):
+        tier.put(h, (i,) * 4, _packed(i))
+    tier.flush()
+    return keys
+
+
+def _record_bytes(tmp_path) -> int:
+    """What one block takes on disk."""
+    probe = _tier(tmp_path / "probe")
+    _fill(probe, 1)
+    return probe.used_bytes
 
 
 def _same(a, b) -> bool:
@@ -41,10 +57,7 @@ def test_blocks_survive_a_new_tier_on_the_same_directory_only_for_the_same_finge
 
 
 def test_the_directory_stays_within_its_capacity(tmp_path):
-    one = _tier(tmp_path / "probe")
-    one.put(b"\x00" * 32, (0,) * 4, _packed(0))
-    one.flush()
-    size = one.used_bytes
+    size = _record_bytes(tmp_path)
     tier = _tier(tmp_path, capacity=3 * size)  # segments of a sixteenth of that: a block each
     for i in range(5):
         tier.put(bytes([i]) * 32, (i,) * 4, _packed(i))
@@ -56,15 +69,9 @@ def test_the_directory_stays_within_its_capacity(tmp_path):
 
 def test_segments_go_least_recently_used_first_whole(tmp_path):
     """Blocks share segment files; room is made a segment at a time, and a hit keeps its segment."""
-    probe = _tier(tmp_path / "probe")
-    probe.put(b"\x00" * 32, (0,) * 4, _packed(0))
-    probe.flush()
-    size = probe.used_bytes
+    size = _record_bytes(tmp_path)
     tier = DiskTier(tmp_path, 6 * size, LAYOUT, "f1", segment_bytes=2 * size)  # two blocks a segment
-    keys = [bytes([i]) * 32 for i in range(8)]
-    for i in range(6):
-        tier.put(keys[i], (i,) * 4, _packed(i))
-    tier.flush()
+    keys = _fill(tier, 6) + [bytes([i]) * 32 for i in (6, 7)]
     assert len(list(tier.dir.glob("*.kvs"))) == 3 and len(tier) == 6
     assert tier.get(keys[0], (0,) * 4) is not None  # the first segment is now the most recently used
     for i in (6, 7):
@@ -81,10 +88,7 @@ def _records(tier):
 
 def test_damaged_records_are_counted_misses_and_leave_the_index(tmp_path):
     tier = _tier(tmp_path)
-    keys = [bytes([i]) * 32 for i in range(5)]
-    for i, h in enumerate(keys):
-        tier.put(h, (i,) * 4, _packed(i))
-    tier.flush()
+    keys = _fill(tier, 5)
     records = _records(tier)
     path, offset, length = records[keys[1]]
     assert {p for p, _, _ in records.values()} == {path}  # one segment holds them all
@@ -104,10 +108,7 @@ def test_damaged_records_are_counted_misses_and_leave_the_index(tmp_path):
 def test_a_new_tier_finds_the_whole_records_of_a_torn_segment(tmp_path):
     """A worker stopped in the middle of a write: the records before the tear are found, the rest is not."""
     tier = _tier(tmp_path)
-    keys = [bytes([i]) * 32 for i in range(3)]
-    for i, h in enumerate(keys):
-        tier.put(h, (i,) * 4, _packed(i))
-    tier.flush()
+    keys = _fill(tier, 3)
     tier.close()
     path, offset, _ = _records(tier)[keys[2]]
     path.write_bytes(path.read_bytes()[: offset + 10])
@@ -135,6 +136,9 @@ def test_a_full_queue_drops_the_write_and_counts_it(tmp_path):
     assert writing.wait(10)  # the writer holds the first block
     assert tier.put(b"\x01" * 32, (1,) * 4, _packed(1))  # the queue's one place
     assert not tier.put(b"\x02" * 32, (2,) * 4, _packed(2))  # no room: dropped, not waited for
+    # a block the tier counts as there is served while its write waits: from the queue
+    queued = tier.get(b"\x01" * 32, (1,) * 4)
+    assert queued is not None and _same(queued.tensors, _block(1)) and tier.get(b"\x01" * 32, (7,) * 4) is None
     release.set()
     tier.flush()
     assert (tier.stats.stored, tier.stats.dropped) == (2, 1)
