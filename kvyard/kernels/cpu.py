@@ -23,7 +23,7 @@ _SOURCES = [_CSRC / "decode_attention.cpp", _CSRC / "norm_act.cpp", _CSRC / "rop
             _CSRC / "lora.cpp", _CSRC / "lowbit_int8_act.cpp"]
 _HEADERS = [_CSRC / "vec.h", _CSRC / "amx.h", _CSRC / "widened_rows.h", _CSRC / "ops.h", _CSRC / "vnni_blocks.h",
             _CSRC / "lowbit_layout.h", _CSRC / "attention_lanes.h",
-            _CSRC / "attend_tile.h"]
+            _CSRC / "attend_tile.h", _CSRC / "attend_tile_dp.h"]
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 
@@ -68,6 +68,14 @@ def prompt_attention_tiles(head_dim: int, group: int) -> bool:
             and bool(torch.ops.kvyard.paged_attention_tiles(head_dim, group)))
 
 
+def attention_dp_available(head_dim: int) -> bool:
+    """True when torch.ops.kvyard.paged_attention_dp runs here for this head size: the kernels are loaded and
+    were compiled for a CPU with AVX512-BF16, and KVYARD_ATTENTION_DPBF16 is not 0 (which keeps the default path's
+    prompts on the decode kernel's fp32 tiles)."""
+    return (available() and _enabled_by_env("KVYARD_ATTENTION_DPBF16")
+            and bool(torch.ops.kvyard.paged_attention_dp_available(head_dim)))
+
+
 def decode_stack_enabled() -> bool:
     """Whether decode steps may run their layers in one C++ call (kvyard/models/decode_stack.py);
     KVYARD_DECODE_STACK=0 keeps the layer-by-layer path."""
@@ -87,7 +95,8 @@ def dpbf16_available() -> bool:
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-ffp-contract=off"]
 _OPS = ("paged_decode_attention", "rms_norm", "add_rms_norm_", "silu_mul", "rope_write_kv_", "amx_linear",
         "amx_linear_lowbit", "lowbit_linear", "lowbit_dequantize", "linear_bf16", "dpbf16_linear",
-        "dpbf16_linear_f32", "vnni_lowbit_linear", "lowbit_linear_i8", "paged_attention_tiles")
+        "dpbf16_linear_f32", "vnni_lowbit_linear", "lowbit_linear_i8", "paged_attention_tiles",
+        "paged_attention_dp")
 
 
 # A build takes about 40 s here. torch's build lock is a bare file that a killed build leaves behind, and

@@ -86,8 +86,11 @@ def takes_step(x: torch.Tensor, meta: AttentionMetadata, caches: list[LayerKV]) 
 
 
 def run_decode_stack(stack: torch.ScriptObject, x: torch.Tensor, meta: AttentionMetadata, caches: list[LayerKV],
-                     cos: torch.Tensor, sin: torch.Tensor, lora_slots: torch.Tensor | None = None) -> None:
-    """`lora_slots`: each decode row's LoRA adapter slot (-1: the base model), None when no row has one."""
+                     cos: torch.Tensor, sin: torch.Tensor, lora_slots: torch.Tensor | None = None,
+                     dp_attention: bool = False) -> None:
+    """`lora_slots`: each decode row's LoRA adapter slot (-1: the base model), None when no row has one;
+    `dp_attention`: a bf16 cache's decodes in a prompt token's arithmetic (attention.rows_attention's lone_rows)."""
+    stack.set_dp_attention(dp_attention)
     stack.forward(x, cos, sin, [c.k for c in caches], [c.v for c in caches], [c.k_scale for c in caches],
                   [c.v_scale for c in caches], meta.slot_mapping, meta.decode_blocks, meta.decode_lens,
                   meta.block_size, lora_slots)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kvyard.errors import CheckpointError
 from kvyard.kernels import cpu as cpu_kernels
-from kvyard.models.attention import AttentionMetadata, paged_attention
+from kvyard.models.attention import AttentionMetadata, dp_attention_available, paged_attention
 from kvyard.models.config import ModelConfig
 from kvyard.models.decode_stack import build_decode_stack, run_decode_stack, takes_step
 from kvyard.models.huge_pages import move_to_huge_pages, tensors_in
@@ -234,7 +234,8 @@ class DecoderModel:
         stack = None if rows is not None and rows.segments else \
             self._decode_stack() if cpu_kernels.decode_stack_enabled() and takes_step(x, meta, kv_caches) else None
         if stack is not None and all(meta.windowed(layer.window) is meta for layer in self.layers):
-            run_decode_stack(stack, x, meta, kv_caches, *ropes[0], rows.decode_slots if rows is not None else None)
+            run_decode_stack(stack, x, meta, kv_caches, *ropes[0], rows.decode_slots if rows is not None else None,
+                             self.batch_invariant and dp_attention_available(self.cfg.head_dim))
         else:
             for layer, cache, (cos, sin) in zip(self.layers, kv_caches, ropes, strict=True):
                 self.run_layer(x, layer, cache, meta, cos, sin)

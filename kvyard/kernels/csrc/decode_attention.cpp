@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "attend_tile.h"
+#include "attend_tile_dp.h"
 #include "attention_lanes.h"
 #include "ops.h"
 #include "vec.h"
@@ -201,7 +202,8 @@ struct WorkItem {
 template <typename Q, typename C>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const float* k_scale, const float* v_scale, const at::Tensor& table,
-                           const at::Tensor& lens, int64_t block_size, double scale, at::Tensor& out) {
+                           const at::Tensor& lens, int64_t block_size, double scale, at::Tensor& out,
+                           TileKernel<RawCache<C>> tiles, bool lone_rows_in_tiles = false) {
   const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2), q_row = q.stride(0);
   const int64_t kv_heads = k.size(1), group = heads / kv_heads, width = table.size(1);
   const Q* qp = q.data_ptr<Q>();
@@ -210,8 +212,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const C* vp = v.data_ptr<C>();
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  // Rows sharing a block table (a prompt's tokens, each a row) go to attend_tile, up to kTileRows at a time.
-  const TileKernel<RawCache<C>> tiles = tile_kernel<Q, C>(d, group);
+  // Rows sharing a block table (a prompt's tokens, each a row) go to `tiles`, up to kTileRows at a time.
   // A lone row's item covers all its KV heads when there are rows enough to keep every thread busy, else one.
   const int64_t split = rows >= 2 * at::get_num_threads() ? 1 : kv_heads;
   const int64_t per_item = kv_heads / split;
@@ -245,23 +246,29 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
     const int64_t first = tile_first[item.tile], count = tile_first[item.tile + 1] - first;
     const int64_t t0 = item.chunk * chunk_len;
     const int64_t* chunk_table = tp + first * width + item.chunk * chunk_blocks;
-    if (count == 1) {
+    if (count == 1 && !lone_rows_in_tiles) {
       attend_row<Q, C>(qp + first * q_row + item.h0 * group * d, kp, vp, k_scale, v_scale, chunk_table,
                        std::min(chunk_len, lp[first] - t0), block_size, kv_heads, item.h0, item.h1, group, d,
                        static_cast<float>(scale), op + (first * heads + item.h0 * group) * d,
                        partial_of(first, item.chunk, item.h0), buf);
       return;
     }
-    TileRows tile;
-    for (int64_t r = first; r < first + count; ++r) {
-      if (lp[r] <= t0) continue;  // a shorter row's context ends before this chunk
-      tile.q[tile.count] = reinterpret_cast<const uint16_t*>(qp + r * q_row + item.h0 * group * d);
-      tile.len[tile.count] = std::min(chunk_len, lp[r] - t0);
-      tile.out[tile.count] = reinterpret_cast<uint16_t*>(op + (r * heads + item.h0 * group) * d);
-      tile.partial[tile.count++] = partial_of(r, item.chunk, item.h0);
+    int64_t members[kTileRows], count_in = 0;  // the tile's rows whose context reaches this chunk
+    for (int64_t r = first; r < first + count; ++r)
+      if (lp[r] > t0) members[count_in++] = r;
+    for (int64_t h = item.h0; h < item.h1; ++h) {  // a tile's item is one KV head; a lone row's may be several
+      TileRows tile;
+      for (int64_t j = 0; j < count_in; ++j) {
+        const int64_t r = members[j];
+        tile.q[j] = reinterpret_cast<const uint16_t*>(qp + r * q_row + h * group * d);
+        tile.len[j] = std::min(chunk_len, lp[r] - t0);
+        tile.out[j] = reinterpret_cast<uint16_t*>(op + (r * heads + h * group) * d);
+        tile.partial[j] = partial_of(r, item.chunk, h);
+      }
+      tile.count = count_in;
+      tiles(tile, group, reinterpret_cast<const RawCache<C>*>(kp), reinterpret_cast<const RawCache<C>*>(vp), k_scale,
+            v_scale, chunk_table, block_size, kv_heads, h, static_cast<float>(scale), buf);
     }
-    tiles(tile, group, reinterpret_cast<const RawCache<C>*>(kp), reinterpret_cast<const RawCache<C>*>(vp), k_scale,
-          v_scale, chunk_table, block_size, kv_heads, item.h0, static_cast<float>(scale), buf);
   };
   if (tile_first.size() == static_cast<size_t>(rows) + 1) {  // no tiles: items in order, split evenly
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
@@ -291,10 +298,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
 
 namespace kvyard::ops {
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const std::optional<at::Tensor>& k_scale,
-                                  const std::optional<at::Tensor>& v_scale, const at::Tensor& block_table,
-                                  const at::Tensor& seq_lens, int64_t block_size, double scale) {
+// The checks both entry points make; the output, shaped as q.
+at::Tensor checked_output(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_table, const at::Tensor& seq_lens) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and the caches must be 3-D");
   // q may be a row slice of the fused qkv projection: only its heads must be dense.
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q's heads must be contiguous");
@@ -306,27 +312,54 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "block_table and seq_lens must be int64");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(q.size(2) == k_cache.size(2), "head_dim of q and the cache differ");
-  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  return at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const std::optional<at::Tensor>& k_scale,
+                                  const std::optional<at::Tensor>& v_scale, const at::Tensor& block_table,
+                                  const at::Tensor& seq_lens, int64_t block_size, double scale) {
+  at::Tensor out = checked_output(q, k_cache, v_cache, block_table, seq_lens);
   const bool int8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()), "int8 caches need both scales");
   TORCH_CHECK(int8 || k_cache.scalar_type() == q.scalar_type(), "cache dtype must be q's or int8");
   const float* ks = int8 ? k_scale->data_ptr<float>() : nullptr;
   const float* vs = int8 ? v_scale->data_ptr<float>() : nullptr;
+  const int64_t d = q.size(2), group = q.size(1) / k_cache.size(1);
   if (q.scalar_type() == at::kFloat) {
     if (int8)
-      decode_attention_impl<float, int8_t>(q, k_cache, v_cache, ks, vs, block_table, seq_lens, block_size, scale, out);
+      decode_attention_impl<float, int8_t>(q, k_cache, v_cache, ks, vs, block_table, seq_lens, block_size, scale, out,
+                                           nullptr);
     else
-      decode_attention_impl<float, float>(q, k_cache, v_cache, ks, vs, block_table, seq_lens, block_size, scale, out);
+      decode_attention_impl<float, float>(q, k_cache, v_cache, ks, vs, block_table, seq_lens, block_size, scale, out,
+                                          nullptr);
   } else if (q.scalar_type() == at::kBFloat16) {
     if (int8)
       decode_attention_impl<at::BFloat16, int8_t>(q, k_cache, v_cache, ks, vs, block_table, seq_lens, block_size,
-                                                  scale, out);
+                                                  scale, out, tile_kernel<at::BFloat16, int8_t>(d, group));
     else
       decode_attention_impl<at::BFloat16, at::BFloat16>(q, k_cache, v_cache, ks, vs, block_table, seq_lens,
-                                                        block_size, scale, out);
+                                                        block_size, scale, out,
+                                                        tile_kernel<at::BFloat16, at::BFloat16>(d, group));
   } else {
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16, got ", q.scalar_type());
   }
+  return out;
+}
+
+// paged_decode_attention on AVX512-BF16 products for bf16 over a bf16 cache: rows sharing a block table (a prompt's
+// tokens) go to attend_tile_dp; lone rows (decodes) too where `lone_rows`, so that a token's attention is the same as
+// a prompt token and as a decode (the batch-invariant path), else to the decode kernel's fp32 chain (faster alone).
+at::Tensor paged_attention_dp(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t block_size,
+                              double scale, bool lone_rows) {
+  at::Tensor out = checked_output(q, k_cache, v_cache, block_table, seq_lens);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16,
+              "paged_attention_dp takes bf16 queries over a bf16 cache");
+  const TileKernel<uint16_t> tiles = dp_tile_kernel(q.size(2));
+  TORCH_CHECK(tiles != nullptr, "paged_attention_dp needs AVX512-BF16 and a head_dim of 64 or 128");
+  decode_attention_impl<at::BFloat16, at::BFloat16>(q, k_cache, v_cache, nullptr, nullptr, block_table, seq_lens,
+                                                    block_size, scale, out, tiles, lone_rows);
   return out;
 }
 
@@ -336,12 +369,21 @@ bool paged_attention_tiles(int64_t head_dim, int64_t group) {
   return tile_kernel<at::BFloat16, at::BFloat16>(head_dim, group) != nullptr;
 }
 
+// Whether paged_attention_dp runs here for this head size.
+bool paged_attention_dp_available(int64_t head_dim) { return dp_tile_kernel(head_dim) != nullptr; }
+
 }  // namespace kvyard::ops
 
 TORCH_LIBRARY_FRAGMENT(kvyard, m) {
   m.def("paged_attention_tiles(int head_dim, int group) -> bool", &kvyard::ops::paged_attention_tiles);
+  m.def("paged_attention_dp_available(int head_dim) -> bool", &kvyard::ops::paged_attention_dp_available);
+  m.def("paged_attention_dp(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+        "int block_size, float scale, bool lone_rows) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
         "Tensor block_table, Tensor seq_lens, int block_size, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvyard, CPU, m) { m.impl("paged_decode_attention", &kvyard::ops::paged_decode_attention); }
+TORCH_LIBRARY_IMPL(kvyard, CPU, m) {
+  m.impl("paged_decode_attention", &kvyard::ops::paged_decode_attention);
+  m.impl("paged_attention_dp", &kvyard::ops::paged_attention_dp);
+}

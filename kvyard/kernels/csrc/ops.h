@@ -43,5 +43,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                                   const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t block_size,
                                   double scale);
+at::Tensor paged_attention_dp(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t block_size,
+                              double scale, bool lone_rows);
 
 }  // namespace kvyard::ops
