@@ -50,38 +50,52 @@ inline void rearrange_context(const uint16_t* k, const uint16_t* v, const int64_
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
                                       5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16)), zero = _mm512_setzero_si512();
-  auto row = [&](const uint16_t* cache, int64_t t) {
-    return t < n ? cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + head) * D : nullptr;
+  // A decode's context is cold (a prompt's was just written): its blocks are asked for ahead, as the decode kernel
+  // asks (attention_lanes.h); without it, waiting on K's rows took a fifth of a 32-row decode step's attention.
+  constexpr int64_t row_bytes = D * sizeof(uint16_t);
+  const SlotSpan k_span{reinterpret_cast<const char*>(k), kv_heads * row_bytes, head * row_bytes, row_bytes};
+  const SlotSpan v_span{reinterpret_cast<const char*>(v), kv_heads * row_bytes, head * row_bytes, row_bytes};
+  const int64_t blocks = (n + block_size - 1) / block_size;
+  int64_t next_fetch = 0;  // the first block not asked for yet
+  auto fetch_through = [&](int64_t b) {
+    for (; next_fetch <= std::min(b, blocks - 1); ++next_fetch) {
+      prefetch_block(table, next_fetch, block_size, k_span);
+      prefetch_block(table, next_fetch, block_size, v_span);
+    }
   };
+  int64_t at[16];  // this group's rows in the cache (slot * kv_heads + head), -1 past n
+  int64_t block = 0, in_block = 0;  // position t's place in the table, stepped rather than divided
   for (int64_t t = 0; t < np; t += 16) {
+    fetch_through(block + kBlocksAhead);
+    for (int u = 0; u < 16; ++u) {
+      at[u] = t + u < n ? (table[block] * block_size + in_block) * kv_heads + head : -1;
+      if (++in_block == block_size) in_block = 0, ++block;
+    }
     for (int c = 0; c < D; c += 32) {  // 16 dword pairs of 16 positions at a time
       __m512i r[16];
-      for (int u = 0; u < 16; ++u) {
-        const uint16_t* kr = row(k, t + u);
-        r[u] = kr ? _mm512_loadu_si512(kr + c) : zero;
-      }
+      for (int u = 0; u < 16; ++u) r[u] = at[u] >= 0 ? _mm512_loadu_si512(k + at[u] * D + c) : zero;
       transpose16(r);
       for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kt + (c / 2 + i) * np + t, r[i]);
     }
-    for (int64_t j = t; j < t + 16; j += 2) {
-      const uint16_t *va = row(v, j), *vb = row(v, j + 1);
+    for (int u = 0; u < 16; u += 2) {
       for (int c = 0; c < D; c += 32) {
-        const __m512i a = va ? _mm512_loadu_si512(va + c) : zero, b = vb ? _mm512_loadu_si512(vb + c) : zero;
-        _mm512_storeu_si512(vp + (j / 2) * D + c, _mm512_permutex2var_epi16(a, lo, b));
-        _mm512_storeu_si512(vp + (j / 2) * D + c + 16, _mm512_permutex2var_epi16(a, hi, b));
+        const __m512i a = at[u] >= 0 ? _mm512_loadu_si512(v + at[u] * D + c) : zero;
+        const __m512i b = at[u + 1] >= 0 ? _mm512_loadu_si512(v + at[u + 1] * D + c) : zero;
+        _mm512_storeu_si512(vp + ((t + u) / 2) * D + c, _mm512_permutex2var_epi16(a, lo, b));
+        _mm512_storeu_si512(vp + ((t + u) / 2) * D + c + 16, _mm512_permutex2var_epi16(a, hi, b));
       }
     }
   }
 }
 
-// attend_tile's contract (TileRows, one KV head, a bf16 cache), computed as described above.
-template <int D>
-void attend_tile_dp(const TileRows& rows, int64_t group, const uint16_t* k, const uint16_t* v, const float*,
+// attend_tile's contract (TileRows, one KV head, a bf16 cache), computed as described above, QB row-heads (a row's
+// query head) at a time. QB does not change any result: every score and every weighted sum is its own chain.
+template <int D, int QB>
+void attend_tile_dp_by(const TileRows& rows, int64_t group, const uint16_t* k, const uint16_t* v, const float*,
                     const float*, const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t head,
                     float scale, std::vector<float>& buf) {
   constexpr int NV = D / kLanes, DP = D / 2;
-  constexpr int QB = 4;                 // row-heads whose scores are computed together: 8 accumulators
-  constexpr int PB = D == 64 ? 4 : 2;   // row-heads whose weighted sums are computed together: 16 accumulators
+  constexpr int PB = D == 64 ? QB : 2;  // row-heads whose weighted sums are computed together: up to 16 accumulators
   const int64_t pairs = rows.count * group;  // (row, query head)
   auto len_of = [&](int64_t h) { return rows.len[h / group]; };
   const int64_t n = *std::max_element(rows.len, rows.len + rows.count), np = (n + 31) / 32 * 32;
@@ -151,6 +165,17 @@ void attend_tile_dp(const TileRows& rows, int64_t group, const uint16_t* k, cons
                       offset(rows.partial[h / group], (h % group) * (D + 2)));
     }
   }
+}
+
+// Three row-heads at a time where they come in threes (a lone decode row of SmolLM2's three query heads per KV head
+// wasted a quarter of four), else four (8 score and 16 sum accumulators).
+template <int D>
+void attend_tile_dp(const TileRows& rows, int64_t group, const uint16_t* k, const uint16_t* v, const float* ks,
+                    const float* vs, const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t head,
+                    float scale, std::vector<float>& buf) {
+  const int64_t pairs = rows.count * group;
+  auto kernel = pairs % 4 != 0 && pairs % 3 == 0 ? &attend_tile_dp_by<D, 3> : &attend_tile_dp_by<D, 4>;
+  kernel(rows, group, k, v, ks, vs, table, block_size, kv_heads, head, scale, buf);
 }
 
 #endif  // __AVX512BF16__ && KVYARD_HEAD_KERNEL
