@@ -70,8 +70,8 @@ def prompt_attention_tiles(head_dim: int, group: int) -> bool:
 
 def attention_dp_available(head_dim: int) -> bool:
     """True when torch.ops.kvyard.paged_attention_dp runs here for this head size: the kernels are loaded and
-    were compiled for a CPU with AVX512-BF16, and KVYARD_ATTENTION_DPBF16 is not 0 (which keeps the default path's
-    prompts on the decode kernel's fp32 tiles)."""
+    were compiled for a CPU with AVX512-BF16, and KVYARD_ATTENTION_DPBF16 is not 0 (which keeps prompts on the decode kernel's
+    fp32 tiles, and the batch-invariant path's decodes on its fp32 chain)."""
     return (available() and _enabled_by_env("KVYARD_ATTENTION_DPBF16")
             and bool(torch.ops.kvyard.paged_attention_dp_available(head_dim)))
 

@@ -211,8 +211,9 @@ def rows_attention(q: torch.Tensor, cache: LayerKV, rows: AttentionMetadata, sca
     """Every token of the step a row over its own prefix (`rows`: meta.invariant_rows(), or a decode step's meta).
     With AVX512-BF16, a bf16 prompt's rows go to csrc/attend_tile_dp.h (two VDPBF16PS products a tile, bf16 softmax
     weights: 0.35-0.5x the fp32 tiles' time at 128-2,048 tokens on a Zen 4 EPYC), and lone rows (decodes) too
-    where `lone_rows` (the batch-invariant path, so that a token's attention is the same as either; 1.2-1.4x the
-    decode kernel's time), else to the decode kernel. Elsewhere every row goes to the decode kernel."""
+    where `lone_rows` (the batch-invariant path, so that a token's attention is the same as either; a decode step
+    1.01-1.03x the decode kernel's time at 1-32 rows), else to the decode kernel. Elsewhere every row goes to the
+    decode kernel."""
     if not dp_attention_fits(q, cache):
         return decode_attention(q, cache, rows, scale)
     return torch.ops.kvyard.paged_attention_dp(

@@ -90,7 +90,6 @@ def run_decode_stack(stack: torch.ScriptObject, x: torch.Tensor, meta: Attention
                      dp_attention: bool = False) -> None:
     """`lora_slots`: each decode row's LoRA adapter slot (-1: the base model), None when no row has one;
     `dp_attention`: a bf16 cache's decodes in a prompt token's arithmetic (attention.rows_attention's lone_rows)."""
-    stack.set_dp_attention(dp_attention)
     stack.forward(x, cos, sin, [c.k for c in caches], [c.v for c in caches], [c.k_scale for c in caches],
                   [c.v_scale for c in caches], meta.slot_mapping, meta.decode_blocks, meta.decode_lens,
-                  meta.block_size, lora_slots)
+                  meta.block_size, lora_slots, dp_attention)

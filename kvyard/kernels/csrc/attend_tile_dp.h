@@ -1,6 +1,6 @@
-// A prompt's attention on AVX512-BF16, for the default path: a tile's rows against their shared context as two small
-// matrix products on VDPBF16PS, where attend_tile (the batch-invariant path) repeats the decode step's fp32 chain
-// row by row. Each instruction takes 32 bf16 products where an fp32 FMA takes 16, and no score needs a horizontal
+// A prompt's attention on AVX512-BF16: a tile's rows against their shared context as two small matrix products on
+// VDPBF16PS, where attend_tile repeats the decode kernel's fp32 chain row by row. (On the batch-invariant path a
+// decode takes this kernel too, as a tile of one row, so that its attention stays a prompt token's.) Each instruction takes 32 bf16 products where an fp32 FMA takes 16, and no score needs a horizontal
 // sum: the scores come out 16 positions to a register. The price is two roundings attend_tile does not make: the
 // products pair up before they are added, and the softmax weights are rounded to bf16 before they weight V (as in
 // flash attention's bf16 kernels). Softmax stays exact over each row's own length, in fp32.
@@ -98,6 +98,12 @@ void attend_tile_dp_by(const TileRows& rows, int64_t group, const uint16_t* k, c
   constexpr int PB = D == 64 ? QB : 2;  // row-heads whose weighted sums are computed together: up to 16 accumulators
   const int64_t pairs = rows.count * group;  // (row, query head)
   auto len_of = [&](int64_t h) { return rows.len[h / group]; };
+  // The longest context among row-heads h0 .. h0 + B - 1 (those that exist): how far a block of them reads.
+  auto longest = [&](int64_t h0, int B) {
+    int64_t upto = 0;
+    for (int64_t h = h0; h < std::min(pairs, h0 + B); ++h) upto = std::max(upto, len_of(h));
+    return upto;
+  };
   const int64_t n = *std::max_element(rows.len, rows.len + rows.count), np = (n + 31) / 32 * 32;
   buf.resize(2 * DP * np + pairs * np + 2 * pairs);
   uint32_t* kt = reinterpret_cast<uint32_t*>(buf.data());
@@ -108,12 +114,11 @@ void attend_tile_dp_by(const TileRows& rows, int64_t group, const uint16_t* k, c
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t h0 = 0; h0 < pairs; h0 += QB) {
     const uint32_t* q[QB];
-    int64_t upto = 0;
     for (int b = 0; b < QB; ++b) {
       const int64_t h = std::min(h0 + b, pairs - 1);  // past the last: repeats it, stored nowhere
       q[b] = reinterpret_cast<const uint32_t*>(rows.q[h / group] + (h % group) * D);
-      upto = std::max(upto, len_of(h));
     }
+    const int64_t upto = longest(h0, QB);
     for (int64_t t = 0; t < upto; t += 32) {
       __m512 acc[QB][2];
       for (int b = 0; b < QB; ++b) acc[b][0] = acc[b][1] = _mm512_setzero_ps();
@@ -142,12 +147,8 @@ void attend_tile_dp_by(const TileRows& rows, int64_t group, const uint16_t* k, c
   }
   for (int64_t h0 = 0; h0 < pairs; h0 += PB) {
     const uint32_t* w[PB];
-    int64_t upto = 0;
-    for (int b = 0; b < PB; ++b) {
-      const int64_t h = std::min(h0 + b, pairs - 1);
-      w[b] = reinterpret_cast<const uint32_t*>(scores + h * np);
-      upto = std::max(upto, len_of(h));
-    }
+    for (int b = 0; b < PB; ++b) w[b] = reinterpret_cast<const uint32_t*>(scores + std::min(h0 + b, pairs - 1) * np);
+    const int64_t upto = longest(h0, PB);
     __m512 acc[PB][NV];
     for (int b = 0; b < PB; ++b)
       for (int i = 0; i < NV; ++i) acc[b][i] = _mm512_setzero_ps();

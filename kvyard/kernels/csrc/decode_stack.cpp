@@ -108,16 +108,14 @@ class DecodeStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // Whether a bf16 cache's decodes take paged_attention_dp's arithmetic, a prompt token's on this CPU (the
-  // batch-invariant path where the default path's prompts take it), rather than the decode kernel's fp32 chain.
-  void set_dp_attention(bool on) { dp_attention_ = on; }
-
   // Every layer on the residual stream x [rows, hidden], updated in place: run_layer in a loop, for a step of
-  // decodes only (one query per row, attending through the block tables).
+  // decodes only (one query per row, attending through the block tables). With dp_attention a bf16 cache's decodes
+  // take paged_attention_dp's arithmetic, a prompt token's on this CPU (the batch-invariant path), rather than the
+  // decode kernel's fp32 chain.
   void forward(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_caches,
                std::vector<at::Tensor> v_caches, c10::List<OptTensor> k_scales, c10::List<OptTensor> v_scales,
                at::Tensor slots, at::Tensor block_table, at::Tensor seq_lens, int64_t block_size,
-               OptTensor lora_slots) {
+               OptTensor lora_slots, bool dp_attention) {
     const size_t n_layers = layers_.size();
     TORCH_CHECK(k_caches.size() == n_layers && v_caches.size() == n_layers && k_scales.size() == n_layers &&
                     v_scales.size() == n_layers, "one cache per layer");
@@ -145,7 +143,7 @@ class DecodeStack : public torch::CustomClassHolder {
       ops::rope_write_kv_(qkv, cos, sin, heads_, kv_heads_, k_caches[i], v_caches[i], k_scale, v_scale, slots);
       const at::Tensor q = qkv.narrow(1, 0, heads_);
       const at::Tensor attn =
-          dp_attention_ && !k_scale.has_value() && q.scalar_type() == at::kBFloat16
+          dp_attention && !k_scale.has_value() && q.scalar_type() == at::kBFloat16
               ? ops::paged_attention_dp(q, k_caches[i], v_caches[i], block_table, seq_lens, block_size, scale, true)
               : ops::paged_decode_attention(q, k_caches[i], v_caches[i], k_scale, v_scale, block_table, seq_lens,
                                             block_size, scale);
@@ -166,7 +164,6 @@ class DecodeStack : public torch::CustomClassHolder {
  private:
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
-  bool dp_attention_ = false;
   std::vector<Layer> layers_;
 };
 
@@ -178,6 +175,5 @@ TORCH_LIBRARY_FRAGMENT(kvyard, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_lora", &DecodeStack::set_lora)
       .def("num_layers", &DecodeStack::num_layers)
-      .def("set_dp_attention", &DecodeStack::set_dp_attention)
       .def("forward", &DecodeStack::forward);
 }
