@@ -109,6 +109,25 @@ def test_a_burst_of_prompts_over_a_few_streams_is_taken_at_the_full_budget():
     assert prompt_tokens(batch) == 500 * len(burst) and s.num_limited_chunks == 0
 
 
+def test_a_burst_holds_until_its_last_prompt_is_prefilled():
+    """A burst bigger than a step: its first prompts decode while the rest prefill, and do not make them wait
+    on the target; a prompt arriving once the burst is done, with more streams decoding, is held to it again."""
+    s = scheduler(max_num_batched_tokens=1024)
+    burst = [request(f"b{i}", 200) for i in range(12)]  # 2,400 tokens: three steps at the budget
+    for r in burst:
+        s.add(r)
+    steps = 0
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in burst):
+        batch = run_step(s)
+        steps += 1
+        assert batch.total_tokens == 1024 or not s.waiting, "a step of the burst was held under the budget"
+    assert steps == 3 and s.num_limited_chunks == 0
+    late = request("late", 1000)
+    s.add(late)
+    run_step(s)
+    assert 0 < late.num_computed_tokens < 1000 and s.num_limited_chunks == 1
+
+
 def test_fewer_prompts_than_streams_keep_the_target_and_a_hand_set_target_ignores_bursts():
     s = scheduler()
     start_streams(s, 2)
