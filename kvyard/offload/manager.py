@@ -91,6 +91,9 @@ class KVOffload:
         self._queued: list[tuple[int, bytes, tuple[int, ...]]] = []  # (block id, hash, tokens) to write
         self.admit_after = admit_after
         self.seen: OrderedDict[bytes, int] = OrderedDict()  # block hash -> prompts that carried it
+        # Requests whose prompt `seen` has counted: one that waits for room is planned again at every step, but
+        # carries its blocks once (counting it each time would admit one-off prompts that merely waited)
+        self.counted: set[str] = set()
         self.not_admitted = 0  # blocks not written: too few prompts carried them
         self.seconds_restoring = 0.0  # in restore() in all (the engine's step-cost model leaves it out)
         # overlap: the disk's and Redis's reads run on a thread while the engine steps other requests; else the
@@ -216,6 +219,7 @@ class KVOffload:
     def forget(self, req: Request) -> None:
         """The request finished (or was aborted) while its blocks were being read: drop its plan."""
         self.pending.pop(req.request_id, None)
+        self.counted.discard(req.request_id)
 
     def wait_for_reads(self, timeout: float) -> None:
         """The engine has nothing to step but requests waiting on reads: sleep until one finishes."""
@@ -228,7 +232,9 @@ class KVOffload:
         if req.needs_prompt_logprobs or req.num_computed_tokens:
             return None
         hashes = blocks.prompt_hashes(req)
-        self._count_uses(hashes)
+        if req.request_id not in self.counted:
+            self.counted.add(req.request_id)
+            self._count_uses(hashes)
         where: list[Tier | None] = []  # per leading block: the tier that has it; None: the pool has it
         for i, h in enumerate(hashes):
             tokens = tuple(req.token_ids[i * bs : (i + 1) * bs])

@@ -121,6 +121,18 @@ def test_forced_recompute_reads_no_tier_and_changes_no_token(tiny_checkpoint):
     assert offload.tiers[0].stats.stored > 0  # still written
 
 
+def test_a_one_off_prompt_that_waits_for_room_is_still_counted_once(tiny_checkpoint):
+    """Prompts sharing nothing, more than the pool holds: those at the head of the queue are planned again at each
+    step they wait, yet each carried its blocks once, so admission by reuse writes none of them."""
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", block_size=BLOCK, kv_cache_memory=_pool_bytes(
+        tiny_checkpoint("llama"), 24), kv_offload_host_memory="4MiB", kv_offload_admit_after=2)
+    prompts = [[1 + i, *range(100 + 10 * i, 130 + 10 * i)] for i in range(8)]  # distinct from the first token
+    llm.generate(prompts, GREEDY)
+    offload = llm.engine.offload
+    assert offload.not_admitted > 0 and offload.tiers[0].stats.stored == 0
+    assert not offload.counted  # every request forgotten once finished
+
+
 def test_admission_by_reuse_writes_only_blocks_that_prompts_carried_often_enough(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     ref = hf_reference(path)
