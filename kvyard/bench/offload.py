@@ -176,12 +176,25 @@ def _restart(args: argparse.Namespace, vocab: int, workdir: Path) -> dict[str, A
             "gain": cold / warm, "restored_blocks": restored}
 
 
-def _clear_shared(llm: LLM) -> None:
+def _redis_tier(llm: LLM) -> Any:
     from kvyard.offload.redis_tier import RedisTier
 
-    for tier in llm.engine.offload.tiers if llm.engine.offload else []:
-        if isinstance(tier, RedisTier):
-            tier.clear()
+    return next((t for t in (llm.engine.offload.tiers if llm.engine.offload else []) if isinstance(t, RedisTier)),
+                None)
+
+
+def _clear_shared(llm: LLM) -> None:
+    if (tier := _redis_tier(llm)) is not None:
+        tier.clear()
+
+
+def _redis_server_cpu_s(llm: LLM) -> float:
+    """CPU seconds the Redis server behind the tier has used so far (its INFO); 0 without a Redis tier. On a
+    machine that also runs the engine, what the server takes is what the forward pass loses."""
+    if (tier := _redis_tier(llm)) is None:
+        return 0.0
+    cpu = tier.client.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
 def _no_reuse(args: argparse.Namespace, tiers: list[str], per_token: float, vocab: int, workdir: Path
@@ -197,14 +210,22 @@ def _no_reuse(args: argparse.Namespace, tiers: list[str], per_token: float, voca
             llm = _llm(args, kv_cache_memory=pool, **_tier_options(tier, workdir / f"nr-{tier}-{round_}", args))
             _clear_shared(llm)  # an earlier round's blocks in Redis would be reuse
             _run_batch(llm, [[1, 2, 3]], SamplingParams(max_tokens=2))
-            started = time.perf_counter()
+            server_cpu, own_cpu, started = _redis_server_cpu_s(llm), time.process_time(), time.perf_counter()
             outs, _ = _run_batch(llm, prompts, params)
             if llm.engine.offload:
                 llm.engine.offload.flush()
-            rate = sum(map(len, outs)) / (time.perf_counter() - started)
-            rounds = results.get(tier, {}).get("rounds", []) + [rate]
-            results[tier] = {"throughput_tok_s": max(rounds), "rounds": rounds}
-            print(f"no-reuse {tier} round {round_ + 1}: {rate:.1f} tok/s", file=sys.stderr)
+            wall = time.perf_counter() - started
+            rate = sum(map(len, outs)) / wall
+            # Where the machine's time went: this process (engine and writer threads), and a local Redis server
+            cpu = {"wall_s": wall, "process_cpu_s": time.process_time() - own_cpu,
+                   "redis_server_cpu_s": _redis_server_cpu_s(llm) - server_cpu}
+            r = results.setdefault(tier, {"rounds": [], "cpu": []})
+            r["rounds"].append(rate)
+            r["cpu"].append(cpu)
+            r["throughput_tok_s"] = max(r["rounds"])
+            print(f"no-reuse {tier} round {round_ + 1}: {rate:.1f} tok/s; CPU s: this process "
+                  f"{cpu['process_cpu_s']:.1f}, Redis server {cpu['redis_server_cpu_s']:.2f} in {wall:.1f} s",
+                  file=sys.stderr)
             if llm.engine.offload:
                 llm.engine.offload.close()
     base = results["none"]
