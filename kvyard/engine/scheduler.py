@@ -30,9 +30,10 @@ AUTO_TARGET_OVER_FULL_DECODE = 2.0
 # streams decode (at least this many prompts a stream) is admitted at the full token budget: the few streams
 # wait once for the whole burst, instead of the burst being spread over many steps that each hold every stream
 # (and the burst's own first tokens) to the target. Streams that start together then stay together, and later
-# bursts find few streams running again. The burst is the prompts pending when it began: its first prompts turn
-# into streams after a step or two, but they do not count against the prompts of their own burst (64 prompts of
-# 130 tokens take five 2,048-token steps; limiting the last two, once 45 of the 64 decode, cost a 1.3x TTFT p99).
+# bursts find few streams running again. The burst is the prompts pending when it began, and those that arrive
+# during its first step: its first prompts turn into streams after a step or two, but they do not count against
+# the prompts of their own burst (64 prompts of 130 tokens take five 2,048-token steps; limiting the last two,
+# once 45 of the 64 decode, cost a 1.3x TTFT p99, and limiting five stragglers 1.1x).
 BURST_PROMPTS_PER_STREAM = 1
 
 
@@ -80,6 +81,7 @@ class Scheduler:
         # most its share of the requests, leaving the rest for the next
         self.microbatches = 1
         self.burst: set[str] = set()  # the prompts of the burst being admitted at the full budget, until prefilled
+        self.burst_open = False  # the burst's first step ran: prompts that arrived during it join the burst
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -176,10 +178,13 @@ class Scheduler:
 
     def _in_burst(self, prompts: set[str], streams: int) -> bool:
         """Whether this step belongs to a burst: `prompts` (the ids still without their KV) as many as the
-        `streams` decoding, or a burst begun earlier still has prompts to prefill."""
-        self.burst &= prompts
+        `streams` decoding, or a burst begun earlier still has prompts to prefill. The prompts that arrive during
+        a burst's first step join it; later ones wait for a burst of their own, or are held to the target."""
+        # After its first step, the burst takes in its stragglers, sent with the others but queued a moment later
+        self.burst = set(prompts) if self.burst_open else self.burst & prompts
+        self.burst_open = False
         if not self.burst and prompts and len(prompts) >= BURST_PROMPTS_PER_STREAM * streams:
-            self.burst = set(prompts)
+            self.burst, self.burst_open = set(prompts), True
         return bool(self.burst)
 
     def _step_limit(self, decodes: StepShape, burst: bool = False) -> float | None:

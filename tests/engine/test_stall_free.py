@@ -30,6 +30,7 @@ def start_streams(s, count: int, prompt_len: int = 20) -> list:
         s.add(r)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
         run_step(s)
+    run_step(s)  # one decode: the streams' burst closed, a prompt added now arrives after it
     return reqs
 
 
@@ -126,6 +127,23 @@ def test_a_burst_holds_until_its_last_prompt_is_prefilled():
     s.add(late)
     run_step(s)
     assert 0 < late.num_computed_tokens < 1000 and s.num_limited_chunks == 1
+
+
+def test_prompts_arriving_during_a_bursts_first_step_join_it_and_later_ones_do_not():
+    s = scheduler(max_num_batched_tokens=4096)
+    for i in range(6):
+        s.add(request(f"b{i}", 200))
+    run_step(s)  # the whole burst, prefilled in one step
+    stragglers = [request(f"s{i}", 500) for i in range(2)]
+    for r in stragglers:
+        s.add(r)
+    batch = run_step(s)  # 2 prompts against 6 streams, yet in the burst: taken whole
+    assert all(r.num_computed_tokens == 500 for r in stragglers) and s.num_limited_chunks == 0
+    assert batch.total_tokens == 6 + 1000
+    late = request("late", 500)
+    s.add(late)
+    run_step(s)
+    assert late.num_computed_tokens < 500 and s.num_limited_chunks == 1
 
 
 def test_fewer_prompts_than_streams_keep_the_target_and_a_hand_set_target_ignores_bursts():
