@@ -83,6 +83,8 @@ def test_closed_loop_random_with_the_model_tokenizer(server, tiny_path):
     # Prompts made of the model's own tokens come back close to the length asked for (+ BOS).
     assert 12 * 24 * 0.7 <= s["total_input_tokens"] <= 12 * 25
     assert len(run["requests"]) == 12 and all(r["output_tokens"] == 6 for r in run["requests"])
+    # each request's longest gap: no more than the worst gap of the run
+    assert max(r["itl_max_ms"] for r in run["requests"]) == pytest.approx(s["itl_ms"]["max"], rel=1e-3)
     assert report["percentiles"] == [50.0, 90.0, 99.0]
 
 
