@@ -63,6 +63,11 @@ class EngineConfig:
     # time within this many milliseconds (kvyard/engine/step_cost.py). None: set from the measured cost of a
     # full batch of decodes (servers) or off (the LLM class); 0: off, prompt chunks fill the token budget.
     max_itl_ms: float | None = None
+    # Under the automatic target, a burst of prompts (as many as the streams decoding) is taken at the full token
+    # budget. True: until every prompt in it is prefilled, as vLLM's chunked prefill does (lower TTFT tails; the
+    # burst's first streams stall for its later steps). False: only while its prompts still outnumber the streams,
+    # its first prompts' included (streams stall less; a big burst's last prompts wait longer).
+    hold_bursts: bool = False
     enable_prefix_caching: bool = True  # reuse KV of prompt prefixes seen before
     # KV offload (kvyard/offload/): bytes of host memory for prefix-cache blocks the pool evicts; 0 = off
     kv_offload_host_memory: int | str = 0

@@ -36,6 +36,8 @@ _HELP = {
                      "dot products (AVX2 or AVX-512 VNNI; faster, not exact; see README)",
     "max_itl_ms": "inter-token target while requests decode: a step takes only the prompt tokens that fit it "
                   "(default: twice a full batch of decodes, by the measured step cost; 0: off)",
+    "hold_bursts": "a burst of prompts keeps the full token budget until all of it is prefilled, as vLLM does: lower "
+                   "TTFT tails, streams stall during bursts (default: until streams outnumber its remaining prompts)",
     "enable_prefix_caching": "reuse the KV cache of prompt prefixes seen before",
     "max_model_len": "context limit (default: the model's)",
     "tensor_parallel_size": "ranks that each hold a share of every layer (heads, KV heads, MLP columns)",

@@ -9,8 +9,8 @@ its predicted time (kvyard/engine/step_cost.py) within the inter-token target, s
 waits behind a big prefill chunk. The first prompt chunk of a step always gets at least a block, so prompts
 keep moving however many decodes run. The automatic target gives way to a burst: when at least as many prompts
 wait for their first token as streams decode, steps take the whole burst at the token budget, and a few
-streams wait once rather than every stream many times. A burst holds until each of its prompts is prefilled,
-although its own first prompts soon decode and outnumber the rest.
+streams wait once rather than every stream many times. With `hold_bursts` a burst holds until each of its
+prompts is prefilled, although its own first prompts soon decode and outnumber the rest.
 """
 
 import math
@@ -30,10 +30,11 @@ AUTO_TARGET_OVER_FULL_DECODE = 2.0
 # streams decode (at least this many prompts a stream) is admitted at the full token budget: the few streams
 # wait once for the whole burst, instead of the burst being spread over many steps that each hold every stream
 # (and the burst's own first tokens) to the target. Streams that start together then stay together, and later
-# bursts find few streams running again. The burst is the prompts pending when it began, and those that arrive
-# during its first step: its first prompts turn into streams after a step or two, but they do not count against
-# the prompts of their own burst (64 prompts of 130 tokens take five 2,048-token steps; limiting the last two,
-# once 45 of the 64 decode, cost a 1.3x TTFT p99, and limiting five stragglers 1.1x).
+# bursts find few streams running again. By default a burst ends once the streams (its own first prompts
+# among them) outnumber its remaining prompts, which are then held to the target: 64 prompts of 130 tokens take
+# five 2,048-token steps, and the last two are limited once 45 of the 64 decode. `hold_bursts` keeps the budget
+# until the burst, with the prompts that arrived during its first step, is prefilled: vLLM's TTFT p99 at 64
+# rather than 1.2-1.3x it, at the price of its 1.3 s stalls of the burst's first streams (BENCHMARKS.md).
 BURST_PROMPTS_PER_STREAM = 1
 
 
@@ -178,8 +179,11 @@ class Scheduler:
 
     def _in_burst(self, prompts: set[str], streams: int) -> bool:
         """Whether this step belongs to a burst: `prompts` (the ids still without their KV) as many as the
-        `streams` decoding, or a burst begun earlier still has prompts to prefill. The prompts that arrive during
-        a burst's first step join it; later ones wait for a burst of their own, or are held to the target."""
+        `streams` decoding, or, with `hold_bursts`, a burst begun earlier still has prompts to prefill. Then the
+        prompts that arrive during a burst's first step join it; later ones wait for a burst of their own, or are
+        held to the target."""
+        if not self.cfg.hold_bursts:
+            return len(prompts) >= BURST_PROMPTS_PER_STREAM * streams
         # After its first step, the burst takes in its stragglers, sent with the others but queued a moment later
         self.burst = set(prompts) if self.burst_open else self.burst & prompts
         self.burst_open = False

@@ -110,27 +110,39 @@ def test_a_burst_of_prompts_over_a_few_streams_is_taken_at_the_full_budget():
     assert prompt_tokens(batch) == 500 * len(burst) and s.num_limited_chunks == 0
 
 
-def test_a_burst_holds_until_its_last_prompt_is_prefilled():
-    """A burst bigger than a step: its first prompts decode while the rest prefill, and do not make them wait
-    on the target; a prompt arriving once the burst is done, with more streams decoding, is held to it again."""
-    s = scheduler(max_num_batched_tokens=1024)
-    burst = [request(f"b{i}", 200) for i in range(12)]  # 2,400 tokens: three steps at the budget
+def _burst_over_three_steps(s) -> tuple[int, bool]:
+    """12 prompts of 200 tokens at a 1,024-token budget: the steps until all are prefilled, and whether every
+    step but the last took the whole budget."""
+    burst = [request(f"b{i}", 200) for i in range(12)]
     for r in burst:
         s.add(r)
-    steps = 0
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in burst):
+    steps, full = 0, True
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in burst) and steps < 100:
         batch = run_step(s)
         steps += 1
-        assert batch.total_tokens == 1024 or not s.waiting, "a step of the burst was held under the budget"
-    assert steps == 3 and s.num_limited_chunks == 0
+        full &= batch.total_tokens == 1024 or not s.waiting
+    return steps, full
+
+
+def test_by_default_a_burst_ends_once_its_own_streams_outnumber_its_prompts():
+    s = scheduler(max_num_batched_tokens=1024)
+    steps, full = _burst_over_three_steps(s)  # the third step: 10 streams, 2 prompts
+    assert steps > 3 and not full and s.num_limited_chunks > 0
+
+
+def test_a_held_burst_lasts_until_its_last_prompt_is_prefilled():
+    """A burst bigger than a step: its first prompts decode while the rest prefill, and do not make them wait
+    on the target; a prompt arriving once the burst is done, with more streams decoding, is held to it again."""
+    s = scheduler(max_num_batched_tokens=1024, hold_bursts=True)
+    assert _burst_over_three_steps(s) == (3, True) and s.num_limited_chunks == 0
     late = request("late", 1000)
     s.add(late)
     run_step(s)
     assert 0 < late.num_computed_tokens < 1000 and s.num_limited_chunks == 1
 
 
-def test_prompts_arriving_during_a_bursts_first_step_join_it_and_later_ones_do_not():
-    s = scheduler(max_num_batched_tokens=4096)
+def test_prompts_arriving_during_a_held_bursts_first_step_join_it_and_later_ones_do_not():
+    s = scheduler(max_num_batched_tokens=4096, hold_bursts=True)
     for i in range(6):
         s.add(request(f"b{i}", 200))
     run_step(s)  # the whole burst, prefilled in one step
