@@ -217,14 +217,17 @@ def _no_reuse(args: argparse.Namespace, tiers: list[str], per_token: float, voca
             wall = time.perf_counter() - started
             rate = sum(map(len, outs)) / wall
             # Where the machine's time went: this process (engine and writer threads), and a local Redis server
-            cpu = {"wall_s": wall, "process_cpu_s": time.process_time() - own_cpu,
+            tiers_on = llm.engine.offload.tiers if llm.engine.offload else []
+            writers = [t.writer.cpu_s for t in tiers_on if hasattr(t, "writer")]  # the host tier copies inline
+            cpu = {"wall_s": wall, "process_cpu_s": time.process_time() - own_cpu, "writer_cpu_s": sum(writers),
                    "redis_server_cpu_s": _redis_server_cpu_s(llm) - server_cpu}
             r = results.setdefault(tier, {"rounds": [], "cpu": []})
             r["rounds"].append(rate)
             r["cpu"].append(cpu)
             r["throughput_tok_s"] = max(r["rounds"])
             print(f"no-reuse {tier} round {round_ + 1}: {rate:.1f} tok/s; CPU s: this process "
-                  f"{cpu['process_cpu_s']:.1f}, Redis server {cpu['redis_server_cpu_s']:.2f} in {wall:.1f} s",
+                  f"{cpu['process_cpu_s']:.1f}, its writer thread {cpu['writer_cpu_s']:.2f}, Redis server "
+                  f"{cpu['redis_server_cpu_s']:.2f} in {wall:.1f} s",
                   file=sys.stderr)
             if llm.engine.offload:
                 llm.engine.offload.close()

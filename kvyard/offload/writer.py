@@ -6,6 +6,7 @@ and `queued` lets it serve them before they are written.
 """
 
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -22,7 +23,8 @@ class QueuedWriter:
         self.lock = threading.Lock()
         self.pending: dict[bytes, Write] = {}  # by hash, the writes queued or under way
         self.dropped = 0
-        self._worker: BoundedWorker[Write] = BoundedWorker(lambda w: self.write(*w), f"kvyard-kv-{name}", max_pending,
+        self.cpu_s = 0.0  # the writer thread's CPU time in writes: what they take from the forward pass
+        self._worker: BoundedWorker[Write] = BoundedWorker(self._timed_write, f"kvyard-kv-{name}", max_pending,
                                                            on_error, after=self._written)
 
     def submit(self, h: bytes, tokens: tuple[int, ...], block: torch.Tensor) -> bool:
@@ -47,6 +49,13 @@ class QueuedWriter:
 
     def close(self) -> None:
         self._worker.close()
+
+    def _timed_write(self, w: Write) -> None:
+        started = time.thread_time()
+        try:
+            self.write(*w)
+        finally:
+            self.cpu_s += time.thread_time() - started
 
     def _written(self, w: Write) -> None:
         with self.lock:
