@@ -97,6 +97,7 @@ def request_records(results: list[RequestResult]) -> list[dict[str, Any]]:
         return None if s is None else round(1000 * s, 3)
 
     return [{"start_s": round(r.start, 4), "ok": r.ok, "ttft_ms": ms(r.ttft), "tpot_ms": ms(r.tpot),
-             "e2e_ms": ms(r.e2e), "itl_max_ms": ms(max(r.itls, default=None)), "output_tokens": r.output_tokens, "expected_output_tokens": r.expected_output_tokens,
+             "e2e_ms": ms(r.e2e), "itl_max_ms": ms(max(r.itls, default=None)),
+             "output_tokens": r.output_tokens, "expected_output_tokens": r.expected_output_tokens,
              "prompt_tokens": r.prompt_tokens, "finish_reason": r.finish_reason, "token_source": r.token_source, "chunks": r.chunks,
              "error": r.error} for r in results]

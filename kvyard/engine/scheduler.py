@@ -107,17 +107,15 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.token_budget
         decodes = StepShape()  # the running streams' next tokens (and drafts): what a prompt chunk must not stall
-        streams, prompts = 0, set()  # prompts: requests still without their KV, waiting or chunked
+        streams, chunked = 0, []  # chunked: running requests still prefilling
         for req in self.running if self.stall_free else ():
             missing = req.num_tokens - req.num_computed_tokens
             if missing > 1:
-                prompts.add(req.request_id)
+                chunked.append(req)
             elif missing == 1 and req.request_id not in self.in_flight:
                 decodes.add(req.num_computed_tokens, 1 + len(req.spec_token_ids))
                 streams += 1
-        if self.stall_free:
-            prompts.update(req.request_id for req in self.waiting)
-        limit = self._step_limit(decodes, burst=self._in_burst(prompts, streams))
+        limit = self._step_limit(decodes, burst=self._in_burst(chunked, streams))
         planned = StepShape(decodes.tokens, decodes.attended)  # decodes, plus the prompt chunks taken so far
         share = math.ceil((len(self.running) + len(self.waiting)) / self.microbatches)
         # Running requests first, oldest first; the newest is preempted when blocks run out.
@@ -177,17 +175,19 @@ class Scheduler:
     def stall_free(self) -> bool:
         return self.cfg.stall_free
 
-    def _in_burst(self, prompts: set[str], streams: int) -> bool:
-        """Whether this step belongs to a burst: `prompts` (the ids still without their KV) as many as the
-        `streams` decoding, or, with `hold_bursts`, a burst begun earlier still has prompts to prefill. Then the
-        prompts that arrive during a burst's first step join it; later ones wait for a burst of their own, or are
-        held to the target."""
+    def _in_burst(self, chunked: list[Request], streams: int) -> bool:
+        """Whether this step belongs to a burst: the prompts still without their KV (waiting, or `chunked`) as
+        many as the `streams` decoding, or, with `hold_bursts`, a burst begun earlier still has prompts to
+        prefill. Then the prompts that arrive during a burst's first step join it; later ones wait for a burst of
+        their own, or are held to the target."""
+        starts = len(self.waiting) + len(chunked) >= BURST_PROMPTS_PER_STREAM * streams
         if not self.cfg.hold_bursts:
-            return len(prompts) >= BURST_PROMPTS_PER_STREAM * streams
+            return starts  # counted, not named: no set of ids a step on the default path
+        prompts = {r.request_id for r in chunked} | {r.request_id for r in self.waiting}
         # After its first step, the burst takes in its stragglers, sent with the others but queued a moment later
         self.burst = set(prompts) if self.burst_open else self.burst & prompts
         self.burst_open = False
-        if not self.burst and prompts and len(prompts) >= BURST_PROMPTS_PER_STREAM * streams:
+        if not self.burst and prompts and starts:
             self.burst, self.burst_open = set(prompts), True
         return bool(self.burst)
 

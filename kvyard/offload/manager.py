@@ -129,9 +129,10 @@ class KVOffload:
             return
         self._queued.append((block_id, h, tokens))
 
-    def _count_uses(self, hashes: list[bytes]) -> None:
-        if self.admit_after <= 1:
+    def _count_uses(self, req: Request, hashes: list[bytes]) -> None:
+        if self.admit_after <= 1 or req.request_id in self.counted:
             return
+        self.counted.add(req.request_id)
         for h in hashes:
             self.seen[h] = self.seen.pop(h, 0) + 1
         while len(self.seen) > SEEN_LIMIT:
@@ -232,9 +233,7 @@ class KVOffload:
         if req.needs_prompt_logprobs or req.num_computed_tokens:
             return None
         hashes = blocks.prompt_hashes(req)
-        if req.request_id not in self.counted:
-            self.counted.add(req.request_id)
-            self._count_uses(hashes)
+        self._count_uses(req, hashes)
         where: list[Tier | None] = []  # per leading block: the tier that has it; None: the pool has it
         for i, h in enumerate(hashes):
             tokens = tuple(req.token_ids[i * bs : (i + 1) * bs])
