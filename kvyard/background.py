@@ -1,6 +1,9 @@
 """One background thread working through a bounded queue: for work that must never hold up its caller (KV
 writes to a slow tier, traffic capture). `submit` never blocks: with the queue full it returns False and the
-caller counts the item as dropped."""
+caller counts the item as dropped.
+
+With `work_many`, the thread takes every item already queued (up to `max_batch`) in one call, so that a remote
+store pays one round trip for a batch instead of one per item; it never waits for a batch to fill."""
 
 import queue
 import threading
@@ -12,9 +15,12 @@ T = TypeVar("T")
 
 class BoundedWorker(Generic[T]):
     def __init__(self, work: Callable[[T], None], name: str, max_pending: int,
-                 on_error: Callable[[Exception], None], after: Callable[[T], None] | None = None):
-        """`work(item)` on the thread; `on_error(e)` when it raises; `after(item)` once it is done either way."""
+                 on_error: Callable[[Exception], None], after: Callable[[T], None] | None = None,
+                 work_many: Callable[[list[T]], None] | None = None, max_batch: int = 64):
+        """`work(item)` on the thread, or `work_many(items)` where given; `on_error(e)` when it raises;
+        `after(item)` once each item is done either way."""
         self.work, self.on_error, self.after = work, on_error, after
+        self.work_many, self.max_batch = work_many, max_batch
         self._queue: queue.Queue[tuple[T] | None] = queue.Queue(max_pending)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -36,13 +42,37 @@ class BoundedWorker(Generic[T]):
         self._thread.join(timeout=timeout)
 
     def _loop(self) -> None:
-        while (boxed := self._queue.get()) is not None:
+        stopping = False
+        while not stopping:
+            items, stopping = self._take()
             try:
-                self.work(boxed[0])
+                if self.work_many is not None:
+                    if items:
+                        self.work_many(items)
+                else:
+                    for item in items:
+                        self.work(item)
             except Exception as e:  # noqa: BLE001 - the caller's on_error decides; the thread goes on
                 self.on_error(e)
             finally:
-                if self.after is not None:
-                    self.after(boxed[0])
-                self._queue.task_done()
+                for item in items:
+                    if self.after is not None:
+                        self.after(item)
+                    self._queue.task_done()
         self._queue.task_done()
+
+    def _take(self) -> tuple[list[T], bool]:
+        """The next item, waiting for it, then (with work_many) those already queued; and whether to stop."""
+        boxed = self._queue.get()
+        if boxed is None:
+            return [], True
+        items = [boxed[0]]
+        while self.work_many is not None and len(items) < self.max_batch:
+            try:
+                boxed = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if boxed is None:
+                return items, True
+            items.append(boxed[0])
+        return items, False

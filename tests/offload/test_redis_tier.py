@@ -49,3 +49,18 @@ def test_the_engine_thread_asks_redis_nothing_to_write_and_a_block_is_written_on
     b.put(h, (9,) * 4, _packed(9))  # another replica writes the same block: already there, not written again
     b.flush()
     assert a.stats.stored == 1 and b.stats.stored == 0
+
+
+def test_queued_blocks_are_written_in_one_pipelined_batch_skipping_those_already_there(redis_server):
+    a, b = RedisTier(redis_server.url, LAYOUT, "f1"), RedisTier(redis_server.url, LAYOUT, "f1")
+    changes: list[list[bytes]] = []
+    b.on_change = lambda medium, stored, removed: changes.append(stored)
+    blocks = {bytes([i]) * 32: ((i,) * 4, _packed(i)) for i in range(1, 6)}
+    first = next(iter(blocks))
+    a.put(first, *blocks[first])  # another replica wrote this one already
+    a.flush()
+    b._write_many([(h, tokens, block) for h, (tokens, block) in blocks.items()])
+    assert b.stats.stored == 4 and changes == [list(blocks)[1:]]
+    for h, (tokens, _) in blocks.items():
+        got = a.get(h, tokens)
+        assert got is not None and _same(got.tensors, _block(tokens[0]))
