@@ -77,7 +77,7 @@ class EngineConfig:
     kv_offload_host_segment: str = "auto"
     kv_offload_disk: str | None = None  # a directory for KV blocks on local disk, kept across restarts
     kv_offload_disk_capacity: int | str = "8GiB"
-    kv_offload_redis: str | None = None  # redis://host:port/db of a KV tier the replicas share
+    kv_offload_redis: str | None = None  # redis://host:port/db or unix:///path.sock of a KV tier the replicas share
     # auto: read a tier's blocks back only where that is measured to beat recomputing them; load: always; recompute:
     # never (the tiers are still written)
     kv_offload_decision: str = "auto"

@@ -34,7 +34,11 @@ def add_step_profile_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--decodes", type=int, default=64, help="streams decoding in the step")
     p.add_argument("--context", type=int, default=200, help="their context, in tokens")
-    p.add_argument("--prompt-chunk", type=int, default=128, help="a new prompt's tokens in the same step")
+    p.add_argument("--prompt-chunk", type=int, default=128,
+                   help="a new prompt's tokens in the same step (0: decode steps only)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default=None, help="as kvyard serve's (gguf, int8, ...)")
+    p.add_argument("--dynamic-quant", action="store_true", help="as kvyard serve's")
     p.add_argument("--steps", type=int, default=20, help="steps timed, then as many profiled (after 3 to warm up)")
     p.add_argument("--json-out", default=None)
     p.set_defaults(func=run_step_profile)
@@ -50,7 +54,8 @@ def category(op: str) -> str:
 
 def loaded_engine(args: argparse.Namespace) -> LLMEngine:
     """An engine with `decodes` streams past their prefill; no inter-token target, so every step has the shape."""
-    engine = LLMEngine(EngineConfig(model=args.model, max_itl_ms=0, max_num_seqs=args.decodes + 1))
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                                    dynamic_quant=args.dynamic_quant, max_itl_ms=0, max_num_seqs=args.decodes + 1))
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=10_000, ignore_eos=True, temperature=0)
@@ -65,7 +70,8 @@ def loaded_steps(engine: LLMEngine, args: argparse.Namespace, count: int, rng: r
     """`count` steps, each with every stream decoding and one fresh prompt of `prompt_chunk` tokens."""
     vocab = engine.model_config.vocab_size
     for _ in range(count):
-        engine.add_request([rng.randrange(vocab) for _ in range(args.prompt_chunk)], SamplingParams(max_tokens=1))
+        if args.prompt_chunk:
+            engine.add_request([rng.randrange(vocab) for _ in range(args.prompt_chunk)], SamplingParams(max_tokens=1))
         engine.step()
 
 
@@ -107,7 +113,7 @@ def run_step_profile(args: argparse.Namespace) -> int:
     split = {name: round(ms, 2) for name, ms in sorted(ops.items())}
     split["python and the rest"] = round(max(0.0, wall_ms - sum(ops.values())), 2)
     tokens = args.decodes + args.prompt_chunk
-    flops = matmul_flops(engine, tokens, args.decodes + 1)
+    flops = matmul_flops(engine, tokens, args.decodes + (1 if args.prompt_chunk else 0))
     cfg = engine.model_config
     gemm = {"plain_gemm_tflops_step_shape": gemm_tflops(tokens, cfg.hidden_size, cfg.intermediate_size),
             "plain_gemm_tflops_2048": gemm_tflops(2048, 2048, 2048)}

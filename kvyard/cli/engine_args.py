@@ -17,7 +17,7 @@ _HELP = {
                                "room and no other worker holds it), a file path, or off (private memory)",
     "kv_offload_disk": "a directory for KV blocks on local disk (an offload tier kept across restarts)",
     "kv_offload_disk_capacity": "the most bytes the disk KV tier keeps, e.g. 8GiB",
-    "kv_offload_redis": "redis://HOST:PORT/DB of a KV offload tier shared by replicas (its budget: the server's maxmemory)",
+    "kv_offload_redis": "redis://HOST:PORT/DB (or unix:///PATH.sock) of a KV offload tier shared by replicas (its budget: the server's maxmemory)",
     "kv_offload_decision": "auto (read a tier only where measured faster than recomputing), load or recompute",
     "kv_offload_write": "when blocks go to the offload tiers: back (when the pool evicts them) or through (when cached)",
     "kv_offload_tiers": "inclusive (every block to every tier; the disk must be larger than the host tier) or "

@@ -60,7 +60,8 @@ class RedisTier:
         self.prefix = f"kvyard:kv:{self.fingerprint}:".encode()
         # Replicas of one model writing to one server share this name in their KV events
         server = self.client.connection_pool.connection_kwargs
-        where = f"{server.get('host')}:{server.get('port')}/{server.get('db')}:{self.fingerprint}"
+        address = server.get("path") or f"{server.get('host')}:{server.get('port')}"  # a unix socket, or TCP
+        where = f"{address}/{server.get('db')}:{self.fingerprint}"
         self.medium = SHARED_PREFIX + hashlib.sha256(where.encode()).hexdigest()[:12]
         self.used_bytes = 0  # what this worker wrote; the server's own budget bounds the whole tier
         self._down_until = 0.0

@@ -64,3 +64,12 @@ def test_queued_blocks_are_written_in_one_pipelined_batch_skipping_those_already
     for h, (tokens, _) in blocks.items():
         got = a.get(h, tokens)
         assert got is not None and _same(got.tensors, _block(tokens[0]))
+
+
+def test_replicas_name_a_server_on_a_unix_socket_by_its_path():
+    def medium(url: str) -> str:
+        return RedisTier(url, LAYOUT, "f1").medium  # no connection is made until a command is sent
+
+    assert medium("unix:///run/a.sock?db=0") == medium("unix:///run/a.sock?db=0")
+    assert medium("unix:///run/a.sock?db=0") != medium("unix:///run/b.sock?db=0")
+    assert medium("unix:///run/a.sock?db=0") != medium("unix:///run/a.sock?db=1")
