@@ -18,7 +18,7 @@ from kvyard.bench import openvino_peer, parallel, peers
 from kvyard.bench.output import emit_json, machine_info
 from kvyard.bench.workload import Workload, random_workload
 from kvyard.cli.engine_args import add_engine_args, engine_config_from_args
-from kvyard.config import EngineConfig
+from kvyard.config import EngineConfig, parse_dtype
 from kvyard.llm import LLM
 from kvyard.sampling_params import SamplingParams
 
@@ -36,6 +36,9 @@ def add_offline_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--openvino-formats", default="auto",
                    help="OpenVINO IR weight formats run against kvyard (fp16, int8, int4); auto: fp16,int8 against a "
                         "dense kvyard, int4 against --quantization gguf")
+    p.add_argument("--openvino-kv-cache", default="match",
+                   help="OpenVINO's KV cache precision: match (kvyard's own: the model's dtype, or u8 against "
+                        "--kv-cache-dtype int8), default (the pipeline's), or u8, bf16, f16, f32")
     p.add_argument("--hf-in-process", action="store_true",
                    help="run HF in this process (under kvyard's malloc settings) instead of its own")
     p.add_argument("--llama-cpp-gguf", default=None,
@@ -86,8 +89,22 @@ def _start_openvino(args: argparse.Namespace, cfg: EngineConfig, llm: LLM,
     formats = openvino_peer.parse_formats(args.openvino_formats, cfg.quantization)
     dirs = openvino_peer.export(cfg.model, formats)
     kv_gb = max(1, round(cfg.kv_cache_memory / 2**30))
-    return {fmt: openvino_peer.OpenVINOPeer(path, torch.get_num_threads(), llm.engine.scheduler.token_budget, kv_gb)
+    kv_precision = _openvino_kv_precision(args.openvino_kv_cache, cfg)
+    return {fmt: openvino_peer.OpenVINOPeer(path, torch.get_num_threads(), llm.engine.scheduler.token_budget, kv_gb,
+                                            kv_precision)
             for fmt, path in dirs.items()}
+
+
+def _openvino_kv_precision(choice: str, cfg: EngineConfig) -> str | None:
+    """The KV_CACHE_PRECISION OpenVINO runs with: by default kvyard's own, said out loud, so that neither engine's
+    cache is lossier than the other's (u8 rounds every key and value to 8 bits)."""
+    if choice == "default":
+        return None
+    if choice != "match":
+        return choice
+    if cfg.kv_cache_dtype == "int8":
+        return "u8"
+    return {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}[parse_dtype(cfg.dtype)]
 
 
 def _put_batch1(row: dict, system: str, figures: dict) -> None:
@@ -239,7 +256,8 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         "hf_process": None if hf is None else ("shared" if args.hf_in_process else "own"),
         "parallel": layout,
         "greedy_agreement_with_kvyard": agreement,
-        "openvino": {fmt: {"ir": str(peer.model_dir), "inference_precision": peer.inference_precision}
+        "openvino": {fmt: {"ir": str(peer.model_dir), "inference_precision": peer.inference_precision,
+                           "kv_cache_precision": peer.kv_cache_precision}
                      for fmt, peer in ov.items()},
         "median": med,
         "ratios": _ratios(rounds, med),

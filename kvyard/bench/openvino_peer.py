@@ -107,12 +107,15 @@ def logits(model_dir: Path, sequences: list[list[int]], threads: int) -> tuple[l
 class OpenVINOPeer(JsonLinePeer):
     """One IR format in OpenVINO's continuous-batching pipeline, with kvyard's token budget and KV cache size."""
 
-    def __init__(self, model_dir: Path, threads: int, max_num_batched_tokens: int, kv_cache_gb: int):
+    def __init__(self, model_dir: Path, threads: int, max_num_batched_tokens: int, kv_cache_gb: int,
+                 kv_precision: str | None = None):
+        """`kv_precision`: the plugin's KV_CACHE_PRECISION (u8, bf16, f16, f32); None leaves the pipeline's own."""
         self.model_dir = model_dir
         worker = Path(__file__).with_name("openvino_worker.py")
         super().__init__([str(python()), str(worker), str(model_dir), str(threads), str(max_num_batched_tokens),
-                          str(kv_cache_gb)])
+                          str(kv_cache_gb), *([kv_precision] if kv_precision else [])])
         self.inference_precision: str = self.ready["inference_precision"]
+        self.kv_cache_precision = kv_precision or "default"
 
     def batch(self, work: Workload) -> tuple[float, list[list[int]]]:
         """All prompts at once: (seconds, the generated token ids of each)."""

@@ -1,7 +1,10 @@
 """OpenVINO GenAI as a peer process of `kvyard bench offline`: JSON lines in, JSON lines out.
 
 It runs under `make openvino-peer`'s .peers-openvino venv, which has no kvyard, so it imports nothing from
-kvyard. usage: python openvino_worker.py MODEL_DIR THREADS MAX_NUM_BATCHED_TOKENS KV_CACHE_GB
+kvyard. usage: python openvino_worker.py MODEL_DIR THREADS MAX_NUM_BATCHED_TOKENS KV_CACHE_GB [KV_PRECISION]
+KV_PRECISION (u8, bf16, f16, f32) sets the CPU plugin's KV_CACHE_PRECISION. Without it this pipeline keeps its
+cache in the inference precision (bf16 on Zen 4: the same greedy tokens as bf16 asked for, where u8 differs),
+although the plugin's own property reads u8.
 
 The model runs in OpenVINO's continuous-batching pipeline (paged attention, split-fuse prefill), with kvyard's
 batch token budget and KV cache size, on token ids, so both engines see the same prompts token for token.
@@ -79,7 +82,10 @@ def main() -> None:
         scheduler.cache_size = cache_gb
         scheduler.enable_prefix_caching = False  # every round's prompts are fresh, as for kvyard
         scheduler.dynamic_split_fuse = True
-        pipe = ov_genai.ContinuousBatchingPipeline(model_dir, scheduler, "CPU", {"INFERENCE_NUM_THREADS": threads})
+        properties = {"INFERENCE_NUM_THREADS": threads}
+        if len(sys.argv) > 5:
+            properties["KV_CACHE_PRECISION"] = sys.argv[5]
+        pipe = ov_genai.ContinuousBatchingPipeline(model_dir, scheduler, "CPU", properties)
         precision = ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
         print(json.dumps({"ready": True, "inference_precision": precision}), flush=True)
         ops = {"batch": batch, "batch1": batch1}

@@ -7,7 +7,9 @@ import textwrap
 import pytest
 
 from kvyard.bench import offline, openvino_peer
+from kvyard.bench.offline import _openvino_kv_precision
 from kvyard.bench.workload import Workload
+from kvyard.config import EngineConfig
 
 STAND_IN_OPENVINO = textwrap.dedent('''
     class Tensor:
@@ -108,6 +110,8 @@ STAND_IN_GENAI = textwrap.dedent('''
             if not os.path.isdir(model_dir):
                 raise RuntimeError(f"Exception from src/core: {model_dir} does not exist")
             assert scheduler.max_num_batched_tokens == 256 and scheduler.cache_size == 1 and device == "CPU"
+            if properties.get("KV_CACHE_PRECISION", "u8") not in ("u8", "bf16", "f16", "f32"):
+                raise RuntimeError(f"Unsupported KV_CACHE_PRECISION {properties['KV_CACHE_PRECISION']}")
             self.handles = []
 
         def generate(self, inputs, configs):
@@ -177,6 +181,24 @@ def test_the_peer_generates_a_batch_and_one_at_a_time(stand_in):
         peer.close()
     assert seconds >= 0 and ids == [[4, 5, 6, 7], [41, 42]]
     assert single["output_tokens"] == 8 and single["output_tokens_per_s"] > 0 and single["itl_ms_p50"] >= 0
+
+
+def test_the_kv_cache_precision_reaches_the_pipeline(stand_in):
+    peers = [openvino_peer.OpenVINOPeer(stand_in, 1, 256, 1, kv) for kv in (None, "bf16")]
+    try:
+        assert [p.kv_cache_precision for p in peers] == ["default", "bf16"]
+    finally:
+        for p in peers:
+            p.close()
+    with pytest.raises(RuntimeError, match="KV_CACHE_PRECISION bogus"):
+        openvino_peer.OpenVINOPeer(stand_in, 1, 256, 1, "bogus")
+
+
+def test_openvino_keeps_the_kv_cache_as_kvyard_does_unless_told_otherwise():
+    bf16, fp32 = EngineConfig(model="m", dtype="bfloat16"), EngineConfig(model="m", dtype="float32")
+    assert _openvino_kv_precision("match", bf16) == "bf16" and _openvino_kv_precision("match", fp32) == "f32"
+    assert _openvino_kv_precision("match", EngineConfig(model="m", kv_cache_dtype="int8")) == "u8"
+    assert _openvino_kv_precision("default", bf16) is None and _openvino_kv_precision("f16", bf16) == "f16"
 
 
 def test_a_failed_load_is_raised_with_its_reason(stand_in, tmp_path):
