@@ -58,9 +58,9 @@ def test_fp32_matches_sdpa(heads, kv_heads, d, int8):
     torch.testing.assert_close(out, _reference(q, cache, blocks, lens, 4), atol=1e-5, rtol=1e-5)
 
 
-# (9, 3, 64) SmolLM2, (14, 2, 64) Qwen2.5-0.5B, (12, 2, 128) Qwen2.5-1.5B: the register-held fast path;
-# (6, 2, 24) the generic loop.
-@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (14, 2, 64), (12, 2, 128), (6, 2, 24)])
+# (9, 3, 64) SmolLM2, (14, 2, 64) Qwen2.5-0.5B, (12, 2, 128) Qwen2.5-1.5B, (4, 1, 256) Gemma-3-270M: the
+# register-held fast path; (6, 2, 24) the generic loop.
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (14, 2, 64), (12, 2, 128), (4, 1, 256), (6, 2, 24)])
 @pytest.mark.parametrize("int8", [False, True])
 def test_bf16_is_the_fp32_result_rounded_once(int8, heads, kv_heads, d):
     q, cache, blocks, lens = _case(torch.bfloat16, int8, heads, kv_heads, d, lens=(30, 7, 64))
@@ -73,7 +73,7 @@ def test_bf16_is_the_fp32_result_rounded_once(int8, heads, kv_heads, d):
 
 # Contexts past 512 positions are attended in chunks merged by their softmax maxima and sums: the fast path
 # (9, 3, 64) and the generic loop (8, 2, 12), one row long enough for three chunks, one for two, one short.
-@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 2, 12)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 1, 256), (8, 2, 12)])
 @pytest.mark.parametrize("dtype,int8", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
                                         (torch.bfloat16, True)])
 def test_long_contexts_match_sdpa(dtype, int8, heads, kv_heads, d):
@@ -106,7 +106,7 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_threads():
 # batch-invariant path's prefill): rows sharing a table are attended in tiles, and each must equal, to the bit,
 # the row attended alone as a decode step attends it. Lengths cross the 512-position chunks and end mid-block
 # and mid-group-of-four; a decode row of another sequence sits between two runs of the prompt's rows.
-@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (14, 2, 64), (12, 2, 128), (8, 8, 64)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (14, 2, 64), (12, 2, 128), (8, 8, 64), (4, 1, 256)])
 @pytest.mark.parametrize("int8", [False, True])
 def test_a_prompts_rows_sharing_a_table_equal_each_row_alone(int8, heads, kv_heads, d):
     q, cache, blocks, lens = _case(torch.bfloat16, int8, heads, kv_heads, d, block_size=16, lens=(1030, 77))
