@@ -19,8 +19,10 @@ class BoundedWorker(Generic[T]):
                  work_many: Callable[[list[T]], None] | None = None, max_batch: int = 64):
         """`work(item)` on the thread, or `work_many(items)` where given; `on_error(e)` when it raises;
         `after(item)` once each item is done either way."""
-        self.work, self.on_error, self.after = work, on_error, after
-        self.work_many, self.max_batch = work_many, max_batch
+        self.on_error, self.after = on_error, after
+        # Without work_many every batch is one item
+        self._run: Callable[[list[T]], None] = work_many or (lambda items: work(items[0]))
+        self.max_batch = max_batch if work_many is not None else 1
         self._queue: queue.Queue[tuple[T] | None] = queue.Queue(max_pending)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -45,13 +47,10 @@ class BoundedWorker(Generic[T]):
         stopping = False
         while not stopping:
             items, stopping = self._take()
+            if not items:
+                continue
             try:
-                if self.work_many is not None:
-                    if items:
-                        self.work_many(items)
-                else:
-                    for item in items:
-                        self.work(item)
+                self._run(items)
             except Exception as e:  # noqa: BLE001 - the caller's on_error decides; the thread goes on
                 self.on_error(e)
             finally:
@@ -62,12 +61,12 @@ class BoundedWorker(Generic[T]):
         self._queue.task_done()
 
     def _take(self) -> tuple[list[T], bool]:
-        """The next item, waiting for it, then (with work_many) those already queued; and whether to stop."""
+        """The next item, waiting for it, then those already queued (up to max_batch); and whether to stop."""
         boxed = self._queue.get()
         if boxed is None:
             return [], True
         items = [boxed[0]]
-        while self.work_many is not None and len(items) < self.max_batch:
+        while len(items) < self.max_batch:
             try:
                 boxed = self._queue.get_nowait()
             except queue.Empty:

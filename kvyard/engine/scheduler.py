@@ -185,10 +185,10 @@ class Scheduler:
             return starts  # counted, not named: no set of ids a step on the default path
         prompts = {r.request_id for r in chunked} | {r.request_id for r in self.waiting}
         # After its first step, the burst takes in its stragglers, sent with the others but queued a moment later
-        self.burst = set(prompts) if self.burst_open else self.burst & prompts
+        self.burst = prompts if self.burst_open else self.burst & prompts
         self.burst_open = False
         if not self.burst and prompts and starts:
-            self.burst, self.burst_open = set(prompts), True
+            self.burst, self.burst_open = prompts, True
         return bool(self.burst)
 
     def _step_limit(self, decodes: StepShape, burst: bool = False) -> float | None:

@@ -65,7 +65,7 @@ class RedisTier:
         self.medium = SHARED_PREFIX + hashlib.sha256(where.encode()).hexdigest()[:12]
         self.used_bytes = 0  # what this worker wrote; the server's own budget bounds the whole tier
         self._down_until = 0.0
-        self.writer = QueuedWriter(self._write, self.name, self.max_pending, self._failed, write_many=self._write_many)
+        self.writer = QueuedWriter(None, self.name, self.max_pending, self._failed, write_many=self._write_many)
 
     def clear(self) -> int:
         """Delete this model's blocks from the server (every replica's); returns how many."""
@@ -114,9 +114,6 @@ class RedisTier:
         queued = self.writer.submit(h, tokens, block)
         self.stats.dropped = self.writer.dropped
         return queued
-
-    def _write(self, h: bytes, tokens: tuple[int, ...], block: torch.Tensor) -> None:
-        self._write_many([(h, tokens, block)])
 
     def _write_many(self, writes: list[Write]) -> None:
         """Every queued block in two pipelined round trips: which are there already (asked here, on the writer's

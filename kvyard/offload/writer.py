@@ -17,19 +17,20 @@ Write = tuple[bytes, tuple[int, ...], torch.Tensor]  # hash, tokens, the block a
 
 
 class QueuedWriter:
-    def __init__(self, write: Callable[[bytes, tuple[int, ...], torch.Tensor], None], name: str,
+    def __init__(self, write: Callable[[bytes, tuple[int, ...], torch.Tensor], None] | None, name: str,
                  max_pending: int, on_error: Callable[[Exception], None],
                  write_many: Callable[[list[Write]], None] | None = None):
-        """`write(h, tokens, block)` per block, or `write_many(writes)` for every write queued at once (a remote
-        tier's one round trip)."""
-        self.write, self.write_many = write, write_many
+        """`write(h, tokens, block)` per block, or else `write_many(writes)` for every write queued at once (a
+        remote tier's one round trip)."""
+        assert (write is None) != (write_many is None), "one of write and write_many"
+        self.write, self.write_many = write, write_many  # looked up at each write (a test slows one down)
         self.lock = threading.Lock()
         self.pending: dict[bytes, Write] = {}  # by hash, the writes queued or under way
         self.dropped = 0
         self.cpu_s = 0.0  # the writer thread's CPU time in writes: what they take from the forward pass
         self._worker: BoundedWorker[Write] = BoundedWorker(
-            self._timed_write, f"kvyard-kv-{name}", max_pending, on_error, after=self._written,
-            work_many=self._timed_write_many if write_many is not None else None)
+            lambda w: self._timed(self.write, *w), f"kvyard-kv-{name}", max_pending, on_error, after=self._written,
+            work_many=None if write_many is None else lambda ws: self._timed(self.write_many, ws))
 
     def submit(self, h: bytes, tokens: tuple[int, ...], block: torch.Tensor) -> bool:
         """Queue a block (bytes the caller no longer writes); False when the queue is full (dropped)."""
@@ -53,13 +54,6 @@ class QueuedWriter:
 
     def close(self) -> None:
         self._worker.close()
-
-    def _timed_write(self, w: Write) -> None:
-        self._timed(self.write, *w)
-
-    def _timed_write_many(self, writes: list[Write]) -> None:
-        assert self.write_many is not None
-        self._timed(self.write_many, writes)
 
     def _timed(self, fn: Callable[..., None], *args: object) -> None:
         started = time.thread_time()

@@ -33,7 +33,7 @@ def test_writes_queued_behind_a_busy_one_go_out_together_and_a_failed_batch_leav
         if b"bad" in batches[-1]:
             raise OSError("gone")
 
-    writer = QueuedWriter(lambda *w: None, "test", 8, on_error=errors.append, write_many=write_many)
+    writer = QueuedWriter(None, "test", 8, on_error=errors.append, write_many=write_many)
     assert writer.submit(b"a", (1,), torch.zeros(1))
     deadline = time.monotonic() + 5
     while writer._worker._queue.qsize() and time.monotonic() < deadline:  # the thread has taken "a" and waits
